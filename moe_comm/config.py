@@ -1,0 +1,122 @@
+"""MoEConfig: the one keyword-only, validated description of an MoE layer.
+
+Shapes legend: H hidden size, F expert FFN size, E experts (global), K top-k, C chunks.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal, Optional, Union
+
+__all__ = ["MoEConfig"]
+
+_SCORE_FUNCS = ("softmax", "sigmoid")
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"MoEConfig.{name} must be an int, got {type(value).__name__} ({value!r})")
+    if value < minimum:
+        raise ValueError(f"MoEConfig.{name} must be >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """Configuration of one MoE layer; validated when built, errors name the field.
+
+    Args:
+        hidden_size: H, the model width (x is [..., H]).
+        ffn_hidden_size: F, the inner width of each SwiGLU expert.
+        num_experts: E, routed experts across the whole EP group (must divide by the EP size).
+        top_k: K, experts chosen per token, 1 <= K <= E.
+        score_func: "softmax" or "sigmoid" over the E router logits.
+        norm_topk_prob: divide the K chosen scores by their sum.
+        num_chunks: C, pipeline depth of the dispatch/experts/combine schedule (int >= 1).
+        num_groups: expert groups for group-limited routing (DeepSeek-V3); None disables it.
+            With expert parallelism, groups of E/num_groups consecutive experts map onto ranks,
+            so ``topk_groups`` caps how many ranks one token is sent to.
+        topk_groups: groups kept per token when ``num_groups`` is set.
+        aux_loss_coeff: weight of the Switch/GShard load-balancing loss (0 disables it).
+        z_loss_coeff: weight of the router z-loss mean(logsumexp(logits)^2) (0 disables it).
+        capacity_factor: None = dropless (default). A float c gives each expert
+            ceil(c * T * K / E) slots per rank; the lowest-score overflow slots are dropped (-1).
+        route_scale: constant multiplying the routing weights (DeepSeek-V3 uses 2.5 with sigmoid).
+        num_shared_experts: always-on dense SwiGLU experts added to the routed output.
+        shared_ffn_hidden_size: F of the shared experts (default: ffn_hidden_size * num_shared_experts).
+        bias_update_rate: step of the aux-loss-free balancing bias (0 disables the bias).
+    """
+
+    hidden_size: int
+    ffn_hidden_size: int
+    num_experts: int
+    top_k: int
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    norm_topk_prob: bool = True
+    num_chunks: Union[int, Literal["auto"]] = 1
+    num_groups: Optional[int] = None
+    topk_groups: Optional[int] = None
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
+    capacity_factor: Optional[float] = None
+    route_scale: float = 1.0
+    num_shared_experts: int = 0
+    shared_ffn_hidden_size: Optional[int] = None
+    bias_update_rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_int("hidden_size", self.hidden_size, 1)
+        _check_int("ffn_hidden_size", self.ffn_hidden_size, 1)
+        _check_int("num_experts", self.num_experts, 1)
+        _check_int("top_k", self.top_k, 1)
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"MoEConfig.top_k must be <= num_experts ({self.num_experts}), got {self.top_k}")
+        if self.score_func not in _SCORE_FUNCS:
+            raise ValueError(f"MoEConfig.score_func must be one of {_SCORE_FUNCS}, got {self.score_func!r}")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise TypeError(f"MoEConfig.norm_topk_prob must be a bool, got {type(self.norm_topk_prob).__name__}")
+        if self.num_chunks != "auto":
+            _check_int("num_chunks", self.num_chunks, 1)
+        if (self.num_groups is None) != (self.topk_groups is None):
+            raise ValueError(
+                "MoEConfig.num_groups and topk_groups must be given together, got "
+                f"num_groups={self.num_groups!r}, topk_groups={self.topk_groups!r}")
+        if self.num_groups is not None:
+            _check_int("num_groups", self.num_groups, 1)
+            _check_int("topk_groups", self.topk_groups, 1)
+            if self.num_experts % self.num_groups:
+                raise ValueError(
+                    f"MoEConfig.num_groups must divide num_experts ({self.num_experts}), got {self.num_groups}")
+            if self.topk_groups > self.num_groups:
+                raise ValueError(
+                    f"MoEConfig.topk_groups must be <= num_groups ({self.num_groups}), got {self.topk_groups}")
+            if self.topk_groups * (self.num_experts // self.num_groups) < self.top_k:
+                raise ValueError(
+                    "MoEConfig.topk_groups * experts per group must be >= top_k "
+                    f"({self.top_k}), got {self.topk_groups} * {self.num_experts // self.num_groups}")
+        for name in ("aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ValueError(f"MoEConfig.{name} must be a float >= 0, got {v!r}")
+        if not isinstance(self.route_scale, (int, float)) or isinstance(self.route_scale, bool) \
+                or not self.route_scale > 0:
+            raise ValueError(f"MoEConfig.route_scale must be a float > 0, got {self.route_scale!r}")
+        if self.capacity_factor is not None:
+            if isinstance(self.capacity_factor, bool) or not isinstance(self.capacity_factor, (int, float)) \
+                    or not self.capacity_factor > 0:
+                raise ValueError(
+                    f"MoEConfig.capacity_factor must be None (dropless) or a float > 0, got {self.capacity_factor!r}")
+        _check_int("num_shared_experts", self.num_shared_experts, 0)
+        if self.shared_ffn_hidden_size is not None:
+            _check_int("shared_ffn_hidden_size", self.shared_ffn_hidden_size, 1)
+
+    @property
+    def shared_ffn_size(self) -> int:
+        """F of the fused shared-expert SwiGLU (0 when there are no shared experts)."""
+        if self.num_shared_experts == 0:
+            return 0
+        return self.shared_ffn_hidden_size or self.ffn_hidden_size * self.num_shared_experts
+
+    def replace(self, **changes) -> "MoEConfig":
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
