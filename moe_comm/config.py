@@ -43,7 +43,6 @@ class MoEConfig:
         route_scale: constant multiplying the routing weights (DeepSeek-V3 uses 2.5 with sigmoid).
         num_shared_experts: always-on dense SwiGLU experts added to the routed output.
         shared_ffn_hidden_size: F of the shared experts (default: ffn_hidden_size * num_shared_experts).
-        bias_update_rate: step of the aux-loss-free balancing bias (0 disables the bias).
     """
 
     hidden_size: int
@@ -61,7 +60,6 @@ class MoEConfig:
     route_scale: float = 1.0
     num_shared_experts: int = 0
     shared_ffn_hidden_size: Optional[int] = None
-    bias_update_rate: float = 0.0
 
     def __post_init__(self) -> None:
         _check_int("hidden_size", self.hidden_size, 1)
@@ -94,7 +92,7 @@ class MoEConfig:
                 raise ValueError(
                     "MoEConfig.topk_groups * experts per group must be >= top_k "
                     f"({self.top_k}), got {self.topk_groups} * {self.num_experts // self.num_groups}")
-        for name in ("aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
+        for name in ("aux_loss_coeff", "z_loss_coeff"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise ValueError(f"MoEConfig.{name} must be a float >= 0, got {v!r}")

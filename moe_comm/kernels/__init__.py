@@ -6,3 +6,53 @@ Every backend implements the same three launchers with the same semantics (see `
   native.py      loader of the C++ CPU kernels in csrc/ (JIT-built, cached)
   triton_ops.py  @triton.jit kernels + launchers (CUDA; CPU only under TRITON_INTERPRET=1)
 """
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+
+from . import reference
+
+__all__ = ["select_backend", "BACKENDS"]
+
+BACKENDS = ("auto", "triton", "native", "torch")
+
+
+def _triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def select_backend(backend: str, device: torch.device) -> ModuleType:
+    """The kernel module for ``backend`` on ``device``.
+
+    "auto": CUDA -> triton, CPU -> native (C++; one warning and torch if it cannot be built).
+    "triton" on CPU tensors only works under TRITON_INTERPRET=1 (set before triton is imported).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    device = torch.device(device)
+    if backend == "torch":
+        return reference
+    if backend == "auto":
+        if device.type == "cuda":
+            from . import triton_ops
+            return triton_ops if triton_ops.available() else reference
+        if device.type == "cpu":
+            from . import native
+            return native if native.available() else reference
+        return reference
+    if backend == "native":
+        if device.type != "cpu":
+            raise ValueError(f"backend='native' runs on CPU tensors, got a tensor on {device}")
+        from . import native
+        return native if native.available() else reference
+    # triton
+    if device.type == "cpu" and not _triton_interpreting():
+        raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
+                         f"imported for CPU tensors; got a tensor on {device}")
+    from . import triton_ops
+    if not triton_ops.available():
+        raise RuntimeError("backend='triton' requested but triton cannot be imported")
+    return triton_ops

@@ -60,13 +60,14 @@ def unpermute_rows(y_NH: torch.Tensor, row_TK: torch.Tensor, weight_TK: Optional
     T, K = row_TK.shape
     acc = acc_dtype(y_NH.dtype)
     total = torch.zeros(T, y_NH.shape[1], dtype=acc, device=y_NH.device)
-    valid_TK = row_TK >= 0
-    safe_TK = row_TK.clamp(min=0)
-    for k in range(K):  # fixed slot order: deterministic sum
-        rows = y_NH.index_select(0, safe_TK[:, k]).to(acc)
-        w = valid_TK[:, k].to(acc) if weight_TK is None else torch.where(
-            valid_TK[:, k], weight_TK[:, k].to(acc), torch.zeros((), dtype=acc, device=y_NH.device))
-        total += rows * w[:, None]
+    if y_NH.shape[0] > 0:
+        zero = torch.zeros((), dtype=acc, device=y_NH.device)
+        for k in range(K):  # fixed slot order: deterministic sum; dropped slots read nothing
+            valid = (row_TK[:, k] >= 0)[:, None]
+            rows = y_NH.index_select(0, row_TK[:, k].clamp(min=0)).to(acc)
+            if weight_TK is not None:
+                rows = rows * weight_TK[:, k].to(acc)[:, None]
+            total += torch.where(valid, rows, zero)
     if out is None:
         return total.to(y_NH.dtype)
     return out.copy_(total)
@@ -88,6 +89,8 @@ def unpermute_weight_grad(grad_TH: torch.Tensor, y_NH: torch.Tensor, row_TK: tor
     acc = acc_dtype(y_NH.dtype)
     g = grad_TH.to(acc)
     out = torch.zeros(T, K, dtype=acc, device=y_NH.device)
+    if y_NH.shape[0] == 0:
+        return out
     for k in range(K):
         rows = y_NH.index_select(0, row_TK[:, k].clamp(min=0)).to(acc)
         dots = (rows * g).sum(dim=1)

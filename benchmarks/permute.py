@@ -1,0 +1,157 @@
+"""Permute / unpermute bandwidth on CPU: the native C++ kernels next to memcpy and torch's own paths.
+
+Shapes legend: T tokens, K top-k slots, N routed rows (T*K here: nothing is dropped), H hidden size,
+E experts.
+
+Bytes counted per call (read + written): permute reads N*H and writes N*H elements; unpermute reads
+N*H and writes T*H. The limit each kernel chases is a plain memcpy moving the same number of bytes
+(``dst.copy_(src)`` into an already-touched buffer); "of memcpy" is GB/s over that memcpy's GB/s.
+Every kernel is timed writing into a reused ``out=`` buffer (the persistent-workspace case) and into a
+freshly allocated output (which adds first-touch page faults). Times are medians over ``--repeats``
+rounds after warm-up; each round runs every kernel once (interleaved, so machine noise hits all alike).
+
+    python benchmarks/permute.py --json /tmp/permute.json
+    python benchmarks/permute.py --tokens 4096 --hidden 4096 --dtype bfloat16 --threads 1
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Callable, Dict, List
+
+import torch
+
+from moe_comm.kernels import native, reference
+from moe_comm.layout import make_layout
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WARMUP = 3
+
+
+def interleaved_times(fns: List[Callable[[], object]], repeats: int) -> List[List[float]]:
+    """Wall times of each fn: ``WARMUP`` untimed calls each, then ``repeats`` rounds calling every fn
+    once per round, so a noisy neighbour slows all kernels alike instead of whichever ran at the time.
+    CPU tensors: a call has finished when it returns, no sync needed."""
+    for fn in fns:
+        for _ in range(WARMUP):
+            fn()
+    times: List[List[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return times
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=8192, help="T")
+    p.add_argument("--hidden", type=int, default=2048, help="H")
+    p.add_argument("--topk", type=int, default=2, help="K")
+    p.add_argument("--experts", type=int, default=16, help="E")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="PATH", help="write all numbers here")
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> Dict[str, object]:
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if not native.available():
+        raise SystemExit("native kernels unavailable (see the warning above); nothing to benchmark")
+    T, H, K, E = args.tokens, args.hidden, args.topk, args.experts
+    dtype = DTYPES[args.dtype]
+    elt = torch.empty((), dtype=dtype).element_size()
+    gen = torch.Generator().manual_seed(args.seed)
+    # Uniform random routing: K distinct experts per token, every expert equally likely.
+    topk_idx_TK = torch.rand(T, E, generator=gen).topk(K, dim=1).indices
+    weight_TK = torch.rand(T, K, generator=gen).softmax(dim=1)
+    layout = make_layout(topk_idx_TK, E, backend="native")
+    token_N, row_TK = layout.token_N, layout.dest_row_TK
+    N = token_N.numel()
+    weight_N = weight_TK.reshape(-1)[layout.src_slot_N]  # weight of each permuted row, for index_add_
+
+    x_TH = torch.randn(T, H, generator=gen).to(dtype)
+    y_NH = torch.randn(N, H, generator=gen).to(dtype)
+    perm_out_NH = torch.ones(N, H, dtype=dtype)  # reused buffers, already touched
+    unperm_out_TH = torch.ones(T, H, dtype=dtype)
+
+    permute_bytes = 2 * N * H * elt
+    unpermute_bytes = (N + T) * H * elt
+    # memcpy moving the same bytes: half of them read, half written.
+    copy_src = {op: torch.randn(b // (2 * elt)).to(dtype) for op, b in
+                (("permute", permute_bytes), ("unpermute", unpermute_bytes))}
+    copy_dst = {op: torch.ones_like(src) for op, src in copy_src.items()}
+
+    cases = [  # (op, name, fn)
+        ("permute", "memcpy (dst.copy_(src))", lambda: copy_dst["permute"].copy_(copy_src["permute"])),
+        ("permute", "torch index_select, fresh", lambda: x_TH.index_select(0, token_N)),
+        ("permute", "torch index_select, out=", lambda: torch.index_select(x_TH, 0, token_N, out=perm_out_NH)),
+        ("permute", "native, out=", lambda: native.permute_rows(x_TH, token_N, out=perm_out_NH)),
+        ("permute", "native, fresh", lambda: native.permute_rows(x_TH, token_N)),
+        ("unpermute", "memcpy (dst.copy_(src))", lambda: copy_dst["unpermute"].copy_(copy_src["unpermute"])),
+        ("unpermute", "torch reference, fresh", lambda: reference.unpermute_rows(y_NH, row_TK, weight_TK)),
+        ("unpermute", "torch index_add_, out=",
+         lambda: unperm_out_TH.zero_().index_add_(0, token_N, y_NH * weight_N.to(dtype)[:, None])),
+        ("unpermute", "native, out=", lambda: native.unpermute_rows(y_NH, row_TK, weight_TK, out=unperm_out_TH)),
+        ("unpermute", "native, fresh", lambda: native.unpermute_rows(y_NH, row_TK, weight_TK)),
+    ]
+    all_times = interleaved_times([fn for _, _, fn in cases], args.repeats)
+    results = []
+    memcpy_gbps = {}
+    for (op, name, _), times in zip(cases, all_times):
+        med = statistics.median(times)
+        nbytes = permute_bytes if op == "permute" else unpermute_bytes
+        gbps = nbytes / med / 1e9
+        if name.startswith("memcpy"):
+            memcpy_gbps[op] = gbps
+        results.append({"op": op, "name": name, "bytes": nbytes, "median_s": med, "min_s": min(times),
+                        "gbps": gbps, "frac_memcpy": gbps / memcpy_gbps[op], "times_s": times})
+    config = {"tokens": T, "hidden": H, "topk": K, "experts": E, "rows": N, "dtype": args.dtype,
+              "repeats": args.repeats, "warmup": WARMUP, "threads": torch.get_num_threads(), "seed": args.seed,
+              "torch": torch.__version__}
+    return {"config": config, "results": results}
+
+
+def print_table(report: Dict[str, object]) -> None:
+    cfg = report["config"]
+    title = (f"permute / unpermute, T={cfg['tokens']} H={cfg['hidden']} K={cfg['topk']} E={cfg['experts']} "
+             f"{cfg['dtype']}, {cfg['threads']} threads, median of {cfg['repeats']}")
+    header = ("op", "kernel", "ms", "GB/s", "of memcpy")
+    rows = [(r["op"], r["name"], f"{r['median_s'] * 1e3:.2f}", f"{r['gbps']:.2f}", f"{r['frac_memcpy']:.0%}")
+            for r in report["results"]]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(title)
+        widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+        for row in (header, *rows):
+            print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)))
+        return
+    table = Table(title=title)
+    for i, h in enumerate(header):
+        table.add_column(h, justify="right" if i >= 2 else "left")
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    report = run(args)
+    print_table(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

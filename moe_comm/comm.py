@@ -1,0 +1,87 @@
+"""Collectives: all-to-all with uneven splits and autograd, the counts exchange, group helpers.
+
+Shapes legend: R rows, H hidden size, W EP world size.
+Rows travel as raw bytes (a uint8 view), so every dtype works on every backend (gloo has no
+bfloat16 reductions, but an all-to-all needs no arithmetic).
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["resolve_group", "group_size", "group_rank", "all_to_all_v", "exchange_counts"]
+
+
+def resolve_group(ep_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+    """None -> the WORLD group when torch.distributed is initialised, else None (W = 1)."""
+    if ep_group is not None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("ep_group was given but torch.distributed is not initialised")
+        return ep_group
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return None
+
+
+def group_size(group: Optional[dist.ProcessGroup]) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: Optional[dist.ProcessGroup]) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _as_bytes(x_RH: torch.Tensor) -> torch.Tensor:
+    row_bytes = x_RH.shape[1:].numel() * x_RH.element_size()
+    return x_RH.contiguous().view(torch.uint8).reshape(x_RH.shape[0], row_bytes)
+
+
+def _a2a_raw(x_RH: torch.Tensor, out_splits: List[int], in_splits: List[int], group) -> torch.Tensor:
+    out_RH = x_RH.new_empty((sum(out_splits),) + tuple(x_RH.shape[1:]))
+    if x_RH.shape[1:].numel() == 0:
+        return out_RH  # zero-width rows: nothing to move, every rank skips alike (H is shared)
+    dist.all_to_all_single(_as_bytes(out_RH), _as_bytes(x_RH), out_splits, in_splits, group=group)
+    return out_RH
+
+
+class _AllToAllV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_RH, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _a2a_raw(x_RH, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad_RH):
+        out_splits, in_splits = ctx.splits
+        # The gradient flows back along the reverse route: swap the split lists.
+        return _a2a_raw(grad_RH, in_splits, out_splits, ctx.group), None, None, None
+
+
+def all_to_all_v(x_RH: torch.Tensor, out_splits: List[int], in_splits: List[int],
+                 group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Differentiable all-to-all with uneven splits.
+
+    Args:
+        x_RH: [sum(in_splits), ...] rows; the first in_splits[0] go to rank 0, and so on.
+        out_splits: rows received from each rank (host ints, length W).
+        in_splits: rows sent to each rank (host ints, length W).
+        group: process group; None means W = 1 (the input is returned as is).
+    Returns: [sum(out_splits), ...] rows ordered by source rank.
+    """
+    if group is None or group_size(group) == 1:
+        return x_RH
+    return _AllToAllV.apply(x_RH, list(out_splits), list(in_splits), group)
+
+
+def exchange_counts(send_WX: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Row w of ``send_WX`` goes to rank w; returns [W, X] with row w received from rank w.
+
+    One ``all_to_all_single`` of int64 counts; no host sync here (the caller reads the result once).
+    """
+    if group is None or group_size(group) == 1:
+        return send_WX
+    recv_WX = torch.empty_like(send_WX)
+    dist.all_to_all_single(recv_WX, send_WX.contiguous(), group=group)
+    return recv_WX

@@ -1,0 +1,261 @@
+"""Dispatcher: tokens -> their experts' ranks (dispatch) and back (combine), with autograd.
+
+Shapes legend: T tokens, H hidden, K top-k, E experts (global), e = E / W local experts,
+W EP world size, C chunks, N routed rows sent, R rows received.
+
+One token's path: make_layout -> permute (rows grouped by chunk, dest rank, local expert)
+-> counts exchange (the only host sync) -> per chunk: all-to-all -> regroup expert-major
+-> experts -> regroup back -> reverse all-to-all -> unpermute with the routing weights.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import ops
+from .comm import all_to_all_v, exchange_counts, group_rank, group_size, resolve_group
+from .layout import Layout
+
+__all__ = ["Dispatcher", "DispatchOutput", "DispatchHandle", "ChunkPlan"]
+
+_call_ids = itertools.count()
+
+
+@dataclass
+class ChunkPlan:
+    """Host-side split sizes and the regroup permutation of one chunk.
+
+    send_splits_W / recv_splits_W: rows sent to / received from each rank.
+    row_offset, num_rows: this chunk's slice of the permuted rows (sent side).
+    expert_index_R: received row of each expert-major row; source_index_R its inverse.
+    tokens_per_expert_e: [e] int64 device tensor; counts_e the same on the host.
+    """
+
+    send_splits_W: List[int]
+    recv_splits_W: List[int]
+    row_offset: int
+    num_rows: int
+    expert_index_R: Optional[torch.Tensor]
+    source_index_R: Optional[torch.Tensor]
+    tokens_per_expert_e: torch.Tensor
+    counts_e: List[int]
+
+    @property
+    def num_recv(self) -> int:
+        return sum(self.recv_splits_W)
+
+
+@dataclass
+class DispatchHandle:
+    """What ``combine`` needs to undo a ``dispatch``; opaque to users."""
+
+    layout: Layout
+    chunks: List[ChunkPlan]
+    call_id: int
+    hidden_size: int
+
+
+@dataclass
+class DispatchOutput:
+    """tokens: [R, H] received rows, expert-major (local expert 0's rows first, each expert's rows
+    by source rank then source token order); tokens_per_expert: [e] int64; handle: for combine."""
+
+    tokens: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    handle: DispatchHandle
+
+    @property
+    def counts(self) -> List[int]:
+        """Host copy of tokens_per_expert (already known: no extra sync)."""
+        return self.handle.chunks[0].counts_e
+
+
+def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(x, 0) - x
+
+
+def _expert_major_index(counts_We: torch.Tensor, total: int):
+    """Permutation from received (source rank, expert) blocks to expert-major (expert, source rank).
+
+    Example: W=2, e=2, counts_We = [[1, 2], [1, 0]] (rows r0 | r1 r2 | r3)
+        expert-major order: expert 0 from rank 0, rank 1, then expert 1 -> index [0, 3, 1, 2]
+    """
+    W, e = counts_We.shape
+    dev = counts_We.device
+    src_start_We = _exclusive_cumsum(counts_We.reshape(-1)).reshape(W, e)
+    counts_eW = counts_We.t().reshape(-1)
+    dst_start_eW = _exclusive_cumsum(counts_eW)
+    block_R = torch.repeat_interleave(torch.arange(e * W, device=dev), counts_eW, output_size=total)
+    pos_R = torch.arange(total, device=dev) - dst_start_eW[block_R]
+    index_R = src_start_We.t().reshape(-1)[block_R] + pos_R
+    inverse_R = torch.empty_like(index_R)
+    inverse_R[index_R] = torch.arange(total, device=dev)
+    return index_R, inverse_R
+
+
+class Dispatcher:
+    """Moves token rows to the ranks holding their experts and back.
+
+    Args:
+        num_experts: E, global experts; expert g lives on EP rank g // (E / W) as local expert g % (E / W).
+        ep_group: process group of the EP ranks (any backend: NCCL, gloo, ...). None: WORLD when
+            torch.distributed is initialised, else a single process (W = 1, no collectives).
+        num_chunks: C, micro-chunks for ``__call__`` (tokens split into C contiguous ranges).
+        backend: permutation kernels, "auto" | "triton" | "native" | "torch".
+
+    Every rank of the group must call the same methods in the same order (they are collective),
+    and must backpropagate through their outputs (the backward is collective too).
+    """
+
+    def __init__(self, num_experts: int, ep_group: Optional[dist.ProcessGroup] = None, num_chunks: int = 1,
+                 *, backend: str = "auto"):
+        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+            raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
+        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
+            raise ValueError(f"num_chunks must be an int >= 1, got {num_chunks!r}")
+        self.group = resolve_group(ep_group)
+        self.world_size = group_size(self.group)
+        self.rank = group_rank(self.group)
+        if num_experts % self.world_size:
+            raise ValueError(f"num_experts ({num_experts}) must be divisible by the EP world size, "
+                             f"got world size {self.world_size}")
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.world_size
+        self.num_chunks = num_chunks
+        self.backend = backend
+
+    # ---------------------------------------------------------------- planning
+    def _check_inputs(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor) -> None:
+        if not isinstance(x_TH, torch.Tensor):
+            raise TypeError(f"x_TH must be a torch.Tensor, got {type(x_TH).__name__}")
+        if x_TH.dim() != 2:
+            raise ValueError(f"x_TH must be 2-D [T, H], got shape {tuple(x_TH.shape)}")
+        if not x_TH.is_floating_point():
+            raise TypeError(f"x_TH must be a floating-point tensor, got {x_TH.dtype}")
+        if not isinstance(topk_idx_TK, torch.Tensor):
+            raise TypeError(f"topk_idx_TK must be a torch.Tensor, got {type(topk_idx_TK).__name__}")
+        if topk_idx_TK.dim() != 2 or topk_idx_TK.shape[0] != x_TH.shape[0]:
+            raise ValueError(f"topk_idx_TK must be [T, K] with T = {x_TH.shape[0]} (x_TH rows), "
+                             f"got shape {tuple(topk_idx_TK.shape)}")
+        if topk_idx_TK.device != x_TH.device:
+            raise ValueError(f"topk_idx_TK must be on x_TH's device {x_TH.device}, got {topk_idx_TK.device}")
+
+    def _plan(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_chunks: int) -> DispatchHandle:
+        self._check_inputs(x_TH, topk_idx_TK)
+        W, e, C = self.world_size, self.num_local_experts, num_chunks
+        layout = ops.make_layout(topk_idx_TK, self.num_experts, num_ranks=W, num_chunks=C, backend=self.backend)
+        # Row w of send goes to rank w: its counts for every chunk, then this rank's status word
+        # (invalid expert ids), so every rank learns of a bad input in the same exchange.
+        send_WX = torch.cat([layout.counts_CWe.permute(1, 0, 2).reshape(W, C * e),
+                             layout.num_invalid.reshape(1, 1).expand(W, 1)], dim=1)
+        recv_WX = exchange_counts(send_WX, self.group)
+        host = torch.cat([send_WX.reshape(-1), recv_WX.reshape(-1)]).tolist()  # host sync: split sizes
+        X = C * e + 1
+        send = [host[w * X:(w + 1) * X] for w in range(W)]
+        recv = [host[(W + w) * X:(W + w + 1) * X] for w in range(W)]
+        bad = [w for w in range(W) if recv[w][-1] > 0]
+        if bad:
+            raise ValueError(
+                f"topk_idx_TK holds expert ids outside [-1, {self.num_experts}) on EP rank(s) {bad} "
+                f"({', '.join(str(recv[w][-1]) for w in bad)} values); no tokens were sent")
+        layout.set_num_rows(sum(sum(s[:-1]) for s in send))
+        recv_counts_WCe = recv_WX[:, :-1].reshape(W, C, e)
+        chunks, offset = [], 0
+        for c in range(C):
+            send_W = [sum(send[w][c * e:(c + 1) * e]) for w in range(W)]
+            recv_W = [sum(recv[w][c * e:(c + 1) * e]) for w in range(W)]
+            counts_e = [sum(recv[w][c * e + j] for w in range(W)) for j in range(e)]
+            R = sum(recv_W)
+            counts_We = recv_counts_WCe[:, c, :]
+            index = inverse = None
+            if W > 1 and e > 1:
+                index, inverse = _expert_major_index(counts_We, R)
+            chunks.append(ChunkPlan(send_splits_W=send_W, recv_splits_W=recv_W, row_offset=offset,
+                                    num_rows=sum(send_W), expert_index_R=index, source_index_R=inverse,
+                                    tokens_per_expert_e=counts_We.sum(0), counts_e=counts_e))
+            offset += sum(send_W)
+        return DispatchHandle(layout=layout, chunks=chunks, call_id=next(_call_ids), hidden_size=x_TH.shape[1])
+
+    # ---------------------------------------------------------------- per-chunk moves
+    def _send(self, x_NH: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+        recv_RH = all_to_all_v(x_NH, plan.recv_splits_W, plan.send_splits_W, self.group)
+        if plan.expert_index_R is None:
+            return recv_RH
+        return ops.gather_rows(recv_RH, plan.expert_index_R, plan.source_index_R, backend=self.backend)
+
+    def _return(self, y_RH: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+        if plan.expert_index_R is not None:
+            y_RH = ops.gather_rows(y_RH, plan.source_index_R, plan.expert_index_R, backend=self.backend)
+        return all_to_all_v(y_RH, plan.send_splits_W, plan.recv_splits_W, self.group)
+
+    # ---------------------------------------------------------------- public API
+    def dispatch(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor) -> DispatchOutput:
+        """Send every routed row to its expert's rank.
+
+        Args:
+            x_TH: [T, H] float tokens of this rank (T may be 0 and may differ between ranks).
+            topk_idx_TK: [T, K] int64 global expert ids, -1 = dropped (no row is sent).
+        Returns: DispatchOutput with tokens [R, H] expert-major, tokens_per_expert [e] int64 and
+            the handle for ``combine``. Differentiable w.r.t. x_TH.
+        """
+        handle = self._plan(x_TH, topk_idx_TK, num_chunks=1)
+        plan = handle.chunks[0]
+        tokens_RH = self._send(ops.permute(x_TH, handle.layout, backend=self.backend), plan)
+        return DispatchOutput(tokens=tokens_RH, tokens_per_expert=plan.tokens_per_expert_e, handle=handle)
+
+    def combine(self, expert_out_RH: torch.Tensor, topk_weight_TK: torch.Tensor,
+                handle: DispatchHandle) -> torch.Tensor:
+        """Send expert outputs back and sum each token's K slots with their weights.
+
+        Args:
+            expert_out_RH: [R, H] rows in the order ``dispatch`` returned them.
+            topk_weight_TK: [T, K] float32/float64 routing weights (ignored for dropped slots).
+            handle: ``DispatchOutput.handle`` of the matching dispatch.
+        Returns: y_TH [T, H] in expert_out's dtype. Differentiable w.r.t. both inputs.
+        """
+        if not isinstance(handle, DispatchHandle):
+            raise TypeError(f"handle must be the DispatchHandle from dispatch(), got {type(handle).__name__}")
+        plan = handle.chunks[0]
+        if len(handle.chunks) != 1:
+            raise ValueError("handle comes from a pipelined call, not from dispatch()")
+        if not isinstance(expert_out_RH, torch.Tensor) or expert_out_RH.dim() != 2 \
+                or tuple(expert_out_RH.shape) != (plan.num_recv, handle.hidden_size):
+            got = tuple(expert_out_RH.shape) if isinstance(expert_out_RH, torch.Tensor) else type(expert_out_RH).__name__
+            raise ValueError(f"expert_out_RH must be [R, H] = [{plan.num_recv}, {handle.hidden_size}] "
+                             f"(the rows this handle's dispatch returned), got {got}")
+        y_NH = self._return(expert_out_RH, plan)
+        return ops.unpermute(y_NH, handle.layout, topk_weight_TK, backend=self.backend)
+
+    def __call__(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor,
+                 expert_fn: Callable[..., torch.Tensor], *, num_chunks: Optional[int] = None) -> torch.Tensor:
+        """dispatch -> expert_fn -> combine, chunk by chunk.
+
+        Args:
+            x_TH, topk_idx_TK, topk_weight_TK: as in ``dispatch`` and ``combine``.
+            expert_fn: ``expert_fn(tokens_RH, tokens_per_expert_e) -> [R, H]`` on expert-major rows;
+                any differentiable function. If it has ``wants_host_counts = True`` it is also given
+                ``counts=`` (the host list of tokens_per_expert, already known: no extra sync).
+            num_chunks: overrides the Dispatcher's C for this call.
+        Returns: y_TH [T, H].
+        """
+        C = self.num_chunks if num_chunks is None else num_chunks
+        handle = self._plan(x_TH, topk_idx_TK, num_chunks=C)
+        x_NH = ops.permute(x_TH, handle.layout, backend=self.backend)
+        wants_counts = getattr(expert_fn, "wants_host_counts", False)
+        outs = []
+        for plan in handle.chunks:
+            tokens_RH = self._send(x_NH.narrow(0, plan.row_offset, plan.num_rows), plan)
+            if wants_counts:
+                out_RH = expert_fn(tokens_RH, plan.tokens_per_expert_e, counts=plan.counts_e)
+            else:
+                out_RH = expert_fn(tokens_RH, plan.tokens_per_expert_e)
+            if not isinstance(out_RH, torch.Tensor) or tuple(out_RH.shape) != tuple(tokens_RH.shape):
+                got = tuple(out_RH.shape) if isinstance(out_RH, torch.Tensor) else type(out_RH).__name__
+                raise ValueError(f"expert_fn must return [R, H] = {list(tokens_RH.shape)}, got {got}")
+            outs.append(self._return(out_RH, plan))
+        y_NH = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        return ops.unpermute(y_NH, handle.layout, topk_weight_TK, backend=self.backend)

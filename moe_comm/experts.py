@@ -1,0 +1,143 @@
+"""GroupedExperts (SwiGLU over expert-major rows) and the dense SwiGLU used for shared experts.
+
+Shapes legend: R rows, H hidden, F FFN size, e local experts.
+y_e(x) = (silu(x @ w1[e].T) * (x @ w3[e].T)) @ w2[e].T
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GroupedExperts", "SwiGLU", "swiglu"]
+
+
+def swiglu(x_RH: torch.Tensor, w1_FH: torch.Tensor, w3_FH: torch.Tensor, w2_HF: torch.Tensor) -> torch.Tensor:
+    """One SwiGLU expert on rows x_RH: [R, H] -> [R, H]."""
+    return F.linear(F.silu(F.linear(x_RH, w1_FH)) * F.linear(x_RH, w3_FH), w2_HF)
+
+
+def _init_expert_(w1_FH, w3_FH, w2_HF, generator: torch.Generator) -> None:
+    # nn.Linear's default bound 1/sqrt(fan_in) for all three: keeps activations O(1) through a stack.
+    H, F_ = w1_FH.shape[1], w1_FH.shape[0]
+    for w, fan_in in ((w1_FH, H), (w3_FH, H), (w2_HF, F_)):
+        b = 1.0 / math.sqrt(fan_in)
+        w.copy_(torch.empty(w.shape, dtype=torch.float32).uniform_(-b, b, generator=generator).to(w.dtype))
+
+
+def _use_grouped_mm(x_RH: torch.Tensor) -> bool:
+    # torch._grouped_mm: CUDA bf16 on sm90+; its CPU backward rejects small strides (measured on 2.13).
+    return (hasattr(torch, "_grouped_mm") and x_RH.is_cuda and x_RH.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x_RH.device)[0] >= 9)
+
+
+class GroupedExperts(nn.Module):
+    """The e experts of this rank as stacked SwiGLU weights.
+
+    Args:
+        num_local_experts: e.
+        hidden_size, ffn_hidden_size: H, F.
+        first_expert: global id of local expert 0 (rank * e); state_dict keys use global ids,
+            ``w1.{g}``, ``w3.{g}``, ``w2.{g}``, so checkpoints move between EP sizes.
+        seed: expert g is initialised from a generator seeded with ``seed + g``, so a layer built
+            at any EP size with the same seed holds the same experts.
+    Parameters: w1 [e, F, H], w3 [e, F, H], w2 [e, H, F].
+    """
+
+    wants_host_counts = True  # the Dispatcher passes counts= (host list): the loop needs no sync
+
+    def __init__(self, num_local_experts: int, hidden_size: int, ffn_hidden_size: int, *, first_expert: int = 0,
+                 seed: int = 0, device=None, dtype=None):
+        super().__init__()
+        e, H, F_ = num_local_experts, hidden_size, ffn_hidden_size
+        self.first_expert = first_expert
+        self.w1 = nn.Parameter(torch.empty(e, F_, H, device=device, dtype=dtype))
+        self.w3 = nn.Parameter(torch.empty(e, F_, H, device=device, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(e, H, F_, device=device, dtype=dtype))
+        self.reset_parameters(seed)
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.w1.shape[0]
+
+    @property
+    def expert_ids(self) -> List[int]:
+        return list(range(self.first_expert, self.first_expert + self.num_local_experts))
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int = 0) -> None:
+        for i, g in enumerate(self.expert_ids):
+            _init_expert_(self.w1[i], self.w3[i], self.w2[i], torch.Generator().manual_seed(seed + g))
+
+    def forward(self, tokens_RH: torch.Tensor, tokens_per_expert_e: torch.Tensor,
+                counts: Optional[List[int]] = None) -> torch.Tensor:
+        """tokens_RH: [R, H] expert-major rows; tokens_per_expert_e: [e] int64 -> [R, H].
+
+        counts: host list equal to tokens_per_expert_e; without it the loop path reads the
+        tensor once (a host sync on CUDA).
+        """
+        if _use_grouped_mm(tokens_RH):
+            offs = torch.cumsum(tokens_per_expert_e, 0).to(torch.int32)
+            h1 = torch._grouped_mm(tokens_RH, self.w1.transpose(-2, -1), offs=offs)
+            h3 = torch._grouped_mm(tokens_RH, self.w3.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(F.silu(h1) * h3, self.w2.transpose(-2, -1), offs=offs)
+        if counts is None:
+            counts = tokens_per_expert_e.tolist()  # host sync: loop bounds (free on CPU tensors)
+        outs, start = [], 0
+        for i, n in enumerate(counts):
+            if n:
+                outs.append(swiglu(tokens_RH[start:start + n], self.w1[i], self.w3[i], self.w2[i]))
+            start += n
+        if not outs:  # no rows: still touch the weights so every rank's graph has them
+            return swiglu(tokens_RH, self.w1[0], self.w3[0], self.w2[0])
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+    # state_dict keyed by global expert id ------------------------------------------------
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for name in ("w1", "w3", "w2"):
+            p = getattr(self, name)
+            for i, g in enumerate(self.expert_ids):
+                t = p[i]
+                destination[f"{prefix}{name}.{g}"] = t if keep_vars else t.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        with torch.no_grad():
+            for name in ("w1", "w3", "w2"):
+                p = getattr(self, name)
+                for i, g in enumerate(self.expert_ids):
+                    key = f"{prefix}{name}.{g}"
+                    if key not in state_dict:
+                        missing_keys.append(key)
+                        continue
+                    src = state_dict[key]
+                    if tuple(src.shape) != tuple(p[i].shape):
+                        error_msgs.append(f"size mismatch for {key}: copying a param with shape "
+                                          f"{tuple(src.shape)}, the expert has shape {tuple(p[i].shape)}")
+                        continue
+                    p[i].copy_(src)
+        # Keys of experts held by other ranks (name.<g>) are expected in a full checkpoint.
+        if strict:
+            for key in state_dict:
+                if key.startswith(prefix):
+                    name, _, g = key[len(prefix):].partition(".")
+                    if name not in ("w1", "w3", "w2") or not g.isdigit():
+                        unexpected_keys.append(key)
+
+
+class SwiGLU(nn.Module):
+    """Dense SwiGLU (shared experts): w1 [F, H], w3 [F, H], w2 [H, F]."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, *, seed: int = 0, device=None, dtype=None):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(ffn_hidden_size, hidden_size, device=device, dtype=dtype))
+        self.w3 = nn.Parameter(torch.empty(ffn_hidden_size, hidden_size, device=device, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, device=device, dtype=dtype))
+        with torch.no_grad():
+            _init_expert_(self.w1, self.w3, self.w2, torch.Generator().manual_seed(seed))
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        return swiglu(x_TH, self.w1, self.w3, self.w2)

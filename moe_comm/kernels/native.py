@@ -1,0 +1,219 @@
+"""Loader and launchers of the C++ CPU kernels in ``csrc/permute.cpp``.
+
+Shapes legend: T tokens, K top-k slots, S = T*K slots, N permuted rows, H hidden size, E experts (global),
+C chunks.
+
+Layers: ``csrc/permute.cpp`` holds the kernels; the launchers here validate arguments (``TypeError`` /
+``ValueError`` naming the argument, got vs expected), make inputs contiguous, cast weights and scales to
+the accumulation dtype and allocate outputs; the autograd layer is ``moe_comm.ops``.
+Semantics are those of ``reference.py`` and ``moe_comm.layout.layout_reference``: permute and
+unpermute are bit-identical to the reference (for finite rows), ``make_layout`` is exactly equal.
+
+The extension is JIT-built on the first ``available()`` call with ``torch.utils.cpp_extension.load`` into
+torch's extensions cache (so later processes reuse it; concurrent builders wait on torch's file lock).
+If it cannot be built (no compiler, missing sources) ``available()`` warns once and returns False, and
+``moe_comm.kernels.select_backend`` falls back to the torch reference.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+from types import ModuleType
+from typing import Optional, Tuple
+
+import torch
+
+from .reference import acc_dtype
+
+__all__ = ["available", "permute_rows", "unpermute_rows", "unpermute_weight_grad", "make_layout"]
+
+_CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
+_SOURCES = ("permute.cpp",)
+# -ffp-contract=off: no FMA, so y*w is rounded before the add exactly as torch does (bitwise unpermute).
+# -fopenmp: at::parallel_for is OpenMP in torch's CPU build; without it the kernels run on one thread.
+_CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
+_FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+@functools.lru_cache(maxsize=None)
+def _extension() -> Optional[ModuleType]:
+    """The built extension module, or None after one warning saying why it could not be built."""
+    sources = [_CSRC_DIR / name for name in _SOURCES]
+    missing = [str(p) for p in sources if not p.is_file()]
+    if missing:
+        warnings.warn(f"moe_comm native CPU kernels unavailable: C++ sources not found: {missing}; "
+                      "using the torch reference path instead", RuntimeWarning, stacklevel=3)
+        return None
+    try:
+        from torch.utils import cpp_extension
+        return cpp_extension.load(name="moe_comm_native", sources=[str(p) for p in sources],
+                                  extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), verbose=False)
+    except Exception as exc:  # any build or import failure means: fall back, say why once
+        reason = " ".join(str(exc).split())
+        if len(reason) > 600:  # keep the command's start and the compiler's last words, which say why
+            reason = f"{reason[:150]} ... {reason[-450:]}"
+        warnings.warn(f"moe_comm native CPU kernels could not be built ({type(exc).__name__}: {reason}); "
+                      "using the torch reference path instead", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def available() -> bool:
+    """True when the C++ kernels are built and loaded (builds them on the first call, then cached)."""
+    return _extension() is not None
+
+
+def _ext() -> ModuleType:
+    ext = _extension()
+    if ext is None:
+        raise RuntimeError("moe_comm native CPU kernels are not available (see the earlier warning); "
+                           "check native.available() or use the torch backend")
+    return ext
+
+
+def _check_tensor(t, name: str, dim: int) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be a CPU tensor for the native backend, got a tensor on {t.device}")
+    if t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+    return t
+
+
+def _check_index(t, name: str, dim: int) -> torch.Tensor:
+    _check_tensor(t, name, dim)
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor (int64 preferred), got {t.dtype}")
+    return t.to(torch.int64).contiguous()
+
+
+def _check_float(t, name: str, dim: int) -> torch.Tensor:
+    _check_tensor(t, name, dim)
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must have one of the dtypes {_FLOAT_DTYPES}, got {t.dtype}")
+    return t
+
+
+def _check_out(out, name: str, shape: Tuple[int, int], dtype: torch.dtype) -> None:
+    _check_tensor(out, name, 2)
+    if tuple(out.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(out.shape)}")
+    if out.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {out.dtype}")
+
+
+def permute_rows(x_TH: torch.Tensor, token_N: torch.Tensor, scale_N: Optional[torch.Tensor] = None,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Gather rows: ``out[n] = x_TH[token_N[n]]`` (times ``scale_N[n]`` when given).
+
+    Args:
+        x_TH: [T, H] CPU tensor, any dtype (a float dtype when ``scale_N`` is given).
+        token_N: [N] integer (int64 preferred), each in [0, T).
+        scale_N: optional [N] float; the product is computed in ``acc_dtype(x_TH.dtype)`` and cast back.
+        out: optional [N, H] buffer of x's dtype to write into (a persistent workspace).
+    Returns: ``out``, or a new [N, H] tensor.
+    Example:
+        x_TH = [[1, 1], [2, 2]], token_N = [1, 0, 1]
+        -> [[2, 2], [1, 1], [2, 2]]
+        with scale_N = [0.5, 1, 2] -> [[1, 1], [1, 1], [4, 4]]
+    """
+    _check_tensor(x_TH, "x_TH", 2)
+    token_N = _check_index(token_N, "token_N", 1)
+    N, H = token_N.shape[0], x_TH.shape[1]
+    if scale_N is not None:
+        if x_TH.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"x_TH must have one of the dtypes {_FLOAT_DTYPES} when scale_N is given, got {x_TH.dtype}")
+        _check_float(scale_N, "scale_N", 1)
+        if scale_N.shape[0] != N:
+            raise ValueError(f"scale_N must have shape ({N},) like token_N, got {tuple(scale_N.shape)}")
+        scale_N = scale_N.to(acc_dtype(x_TH.dtype)).contiguous()
+    if out is None:
+        out = torch.empty(N, H, dtype=x_TH.dtype)
+    else:
+        _check_out(out, "out", (N, H), x_TH.dtype)
+    dst = out if out.is_contiguous() else torch.empty(N, H, dtype=x_TH.dtype)
+    _ext().permute_rows(x_TH.contiguous(), token_N, scale_N, dst)
+    return out if dst is out else out.copy_(dst)
+
+
+def unpermute_rows(y_NH: torch.Tensor, row_TK: torch.Tensor, weight_TK: Optional[torch.Tensor] = None,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Scatter-reduce rows back to tokens: ``out[t] = sum_k weight_TK[t, k] * y_NH[row_TK[t, k]]``.
+
+    Slots are summed in k = 0..K-1 order in ``acc_dtype(y_NH.dtype)`` and cast to y's dtype.
+    Args:
+        y_NH: [N, H] float32 / float64 / bfloat16 / float16 CPU tensor.
+        row_TK: [T, K] integer (int64 preferred) in [-1, N); -1 means the slot was dropped.
+        weight_TK: optional [T, K] float weights (None: plain sum); cast to the accumulation dtype.
+        out: optional [T, H] buffer of y's dtype.
+    Returns: ``out``, or a new [T, H] tensor.
+    Example:
+        y_NH = [[1, 1], [2, 2], [3, 3]], row_TK = [[2, 0], [1, -1]], weight_TK = [[.5, 1], [2, 9]]
+        -> [[.5*3 + 1, ...], [2*2, ...]] = [[2.5, 2.5], [4, 4]]
+        token 1's slot 1 is dropped, so its weight 9 is ignored.
+    """
+    _check_float(y_NH, "y_NH", 2)
+    row_TK = _check_index(row_TK, "row_TK", 2)
+    T, H = row_TK.shape[0], y_NH.shape[1]
+    if weight_TK is not None:
+        _check_float(weight_TK, "weight_TK", 2)
+        if weight_TK.shape != row_TK.shape:
+            raise ValueError(f"weight_TK must have shape {tuple(row_TK.shape)} like row_TK, "
+                             f"got {tuple(weight_TK.shape)}")
+        weight_TK = weight_TK.to(acc_dtype(y_NH.dtype)).contiguous()
+    if out is None:
+        out = torch.empty(T, H, dtype=y_NH.dtype)
+    else:
+        _check_out(out, "out", (T, H), y_NH.dtype)
+    dst = out if out.is_contiguous() else torch.empty(T, H, dtype=y_NH.dtype)
+    _ext().unpermute_rows(y_NH.contiguous(), row_TK, weight_TK, dst)
+    return out if dst is out else out.copy_(dst)
+
+
+def unpermute_weight_grad(grad_TH: torch.Tensor, y_NH: torch.Tensor, row_TK: torch.Tensor) -> torch.Tensor:
+    """Gradient of ``unpermute_rows`` w.r.t. its weights: ``g[t, k] = <grad_TH[t], y_NH[row_TK[t, k]]>``.
+
+    Args:
+        grad_TH: [T, H] float gradient of the unpermuted output.
+        y_NH: [N, H] float32 / float64 / bfloat16 / float16, the rows that were unpermuted.
+        row_TK: [T, K] integer in [-1, N); -1 for dropped slots (their gradient is 0).
+    Returns: [T, K] in ``acc_dtype(y_NH.dtype)``; equal to the reference to fp tolerance (different
+        summation order).
+    Example:
+        grad_TH = [[1, 2]], y_NH = [[3, 4], [5, 6]], row_TK = [[1, -1]]
+        -> [[1*5 + 2*6, 0]] = [[17, 0]]
+    """
+    _check_float(grad_TH, "grad_TH", 2)
+    _check_float(y_NH, "y_NH", 2)
+    row_TK = _check_index(row_TK, "row_TK", 2)
+    expected = (row_TK.shape[0], y_NH.shape[1])
+    if tuple(grad_TH.shape) != expected:
+        raise ValueError(f"grad_TH must have shape {expected} ([T, H] from row_TK and y_NH), got {tuple(grad_TH.shape)}")
+    acc = acc_dtype(y_NH.dtype)
+    if grad_TH.dtype not in (y_NH.dtype, acc):
+        grad_TH = grad_TH.to(acc)
+    return _ext().unpermute_weight_grad(grad_TH.contiguous(), y_NH.contiguous(), row_TK)
+
+
+def make_layout(topk_idx_TK: torch.Tensor, num_experts: int, num_chunks: int = 1):
+    """Counting-sort layout: ``(dest_row_TK, src_slot_S, counts_CE, num_invalid)``, equal to ``layout_reference``.
+
+    Args:
+        topk_idx_TK: [T, K] integer (int64 preferred) global expert ids; -1 means dropped. Values outside
+            [-1, E) are counted in ``num_invalid`` and treated as dropped.
+        num_experts: E >= 1.
+        num_chunks: C >= 1; token t is in chunk t*C//T.
+    Returns: dest_row_TK [T, K] int64 (-1 = dropped), src_slot_S [T*K] int64 (routed rows first, then
+        the dropped slots ascending), counts_CE [C, E] int64, num_invalid [] int64.
+    Example (E=2, C=1): topk_idx_TK = [[1, 0], [0, -1]]
+        slots 0..3 have keys [1, 0, 0, drop] -> src_slot_S = [1, 2, 0, 3]
+        dest_row_TK = [[2, 0], [1, -1]], counts_CE = [[2, 1]]
+    """
+    topk_idx_TK = _check_index(topk_idx_TK, "topk_idx_TK", 2)
+    for name, v in (("num_experts", num_experts), ("num_chunks", num_chunks)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    dest_row_TK, src_slot_S, counts_CE, num_invalid = _ext().make_layout(topk_idx_TK, num_experts, num_chunks)
+    return dest_row_TK, src_slot_S, counts_CE, num_invalid
