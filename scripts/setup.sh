@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Create/refresh the project venv: CPU torch 2.13.0 first (a bare `torch` would pull a CUDA build),
+# then moe_comm editable with its dev extras. Prints the venv's python path.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${MOE_COMM_VENV:-.venv}
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q "torch==2.13.0" >&2
+"$VENV/bin/python" -m pip install -q -e ".[dev,plot]" >&2
+echo "$VENV/bin/python"
