@@ -1,0 +1,134 @@
+"""Dispatch throughput measurement on the ranks of a group: ours vs the raw all-to-all of the same bytes.
+
+Shapes legend: T tokens per rank, H hidden, E experts, K top-k, N routed rows sent, R received.
+Timing: every measured call is bracketed by barriers; a point's time is the slowest rank's
+median over repeats (the all-to-all finishes when its slowest participant does).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, List
+
+import torch
+import torch.distributed as dist
+
+from .comm import all_to_all_v
+from .dispatcher import Dispatcher
+
+__all__ = ["BenchPoint", "measure_dispatch", "self_check_dispatch", "payload"]
+
+
+@dataclass
+class BenchPoint:
+    world_size: int
+    tokens: int
+    hidden: int
+    experts: int
+    top_k: int
+    dtype: str
+    dispatch_bytes: int       # routed rows leaving this rank (rank 0) * H * element size
+    dispatch_s: float
+    combine_s: float
+    raw_a2a_s: float          # all_to_all_single of exactly the dispatch's bytes and splits
+    dispatch_gbps: float
+    combine_gbps: float
+    raw_gbps: float
+    dispatch_vs_raw: float    # raw time / dispatch time (1.0 = as fast as the transport)
+    combine_vs_raw: float
+    tokens_per_s: float       # tokens through dispatch + combine per second, per rank
+
+    def as_dict(self) -> Dict:
+        return asdict(self)
+
+
+def _timed(fn, group) -> float:
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier(group=group)
+    return time.perf_counter() - t0
+
+
+def _slowest_median(samples: List[float], group) -> float:
+    t = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t)
+
+
+def payload(rank: int, num_tokens: int, hidden: int, dtype=torch.float32) -> torch.Tensor:
+    """Self-describing rows [T, H]: column 0 = source rank, column 1 = token id, the rest a function of
+    both (exact in bf16 for small values), so any misrouted row names where it came from."""
+    t = torch.arange(num_tokens, dtype=torch.float64)[:, None]
+    h = torch.arange(hidden, dtype=torch.float64)[None, :]
+    x = (rank * 7 + t * 3 + h) % 61
+    x[:, 0] = rank
+    if hidden > 1:
+        x[:, 1] = t[:, 0]
+    return x.to(dtype)
+
+
+def self_check_dispatch(dispatcher: Dispatcher, routing_of: Callable[[int], torch.Tensor],
+                        tokens_of: Callable[[int], int], hidden: int, dtype=torch.float32) -> int:
+    """Dispatch ``payload`` rows and check every received row against all ranks' routing.
+
+    routing_of(r) / tokens_of(r): rank r's topk_idx_TK and token count (known on every rank).
+    Checks that each local expert receives exactly the (source rank, token) pairs that chose it,
+    ordered by source rank then token, with the full row intact; then that combine with an
+    identity expert returns the weighted sum of the token's rows. Returns the rows received.
+    Raises AssertionError naming the first wrong row.
+    """
+    rank, W, e = dispatcher.rank, dispatcher.world_size, dispatcher.num_local_experts
+    x_TH = payload(rank, tokens_of(rank), hidden, dtype)
+    topk_idx_TK = routing_of(rank)
+    out = dispatcher.dispatch(x_TH, topk_idx_TK)
+    start = 0
+    for j, n in enumerate(out.counts):
+        g = rank * e + j
+        expected = [(s, t) for s in range(W) for t in (routing_of(s) == g).any(1).nonzero().flatten().tolist()]
+        rows = out.tokens[start:start + n]
+        got = [(int(a), int(b)) for a, b in rows[:, :2].tolist()]
+        if got != expected:
+            raise AssertionError(f"rank {rank} expert {g}: received (rank, token) {got[:8]}..., "
+                                 f"expected {expected[:8]}...")
+        for (s, t), row in zip(expected, rows):
+            if not torch.equal(row, payload(s, t + 1, hidden, dtype)[t]):
+                raise AssertionError(f"rank {rank} expert {g}: row of (rank {s}, token {t}) corrupted")
+        start += n
+    weight_TK = torch.rand(topk_idx_TK.shape, generator=torch.Generator().manual_seed(rank))
+    y_TH = dispatcher.combine(out.tokens, weight_TK, out.handle)
+    valid = (topk_idx_TK >= 0).to(weight_TK.dtype)
+    expected_y = x_TH.double() * (weight_TK * valid).sum(1, keepdim=True).double()
+    if not torch.allclose(y_TH.double(), expected_y, rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-5):
+        raise AssertionError(f"rank {rank}: combine of identity experts is not the weighted sum of the token")
+    return out.tokens.shape[0]
+
+
+def measure_dispatch(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor,
+                     dispatcher: Dispatcher, repeats: int = 10, warmup: int = 2) -> BenchPoint:
+    """Time dispatch, combine and the raw all-to-all of the same bytes (collective over the group)."""
+    group = dispatcher.group
+    out = dispatcher.dispatch(x_TH, topk_idx_TK)
+    plan = out.handle.chunks[0]
+    x_NH = x_TH.new_empty(plan.num_rows, x_TH.shape[1])
+    d_s, c_s, r_s = [], [], []
+    for i in range(warmup + repeats):
+        holder = {}
+        td = _timed(lambda: holder.setdefault("out", dispatcher.dispatch(x_TH, topk_idx_TK)), group)
+        o = holder["out"]
+        tc = _timed(lambda: dispatcher.combine(o.tokens, topk_weight_TK, o.handle), group)
+        tr = _timed(lambda: all_to_all_v(x_NH, plan.recv_splits_W, plan.send_splits_W, group), group)
+        if i >= warmup:
+            d_s.append(td)
+            c_s.append(tc)
+            r_s.append(tr)
+    d, c, r = (_slowest_median(s, group) for s in (d_s, c_s, r_s))
+    nbytes = plan.num_rows * x_TH.shape[1] * x_TH.element_size()
+    W = dist.get_world_size(group)
+    T = x_TH.shape[0]
+    return BenchPoint(world_size=W, tokens=T, hidden=x_TH.shape[1], experts=dispatcher.num_experts,
+                      top_k=topk_idx_TK.shape[1], dtype=str(x_TH.dtype).replace("torch.", ""),
+                      dispatch_bytes=nbytes, dispatch_s=d, combine_s=c, raw_a2a_s=r,
+                      dispatch_gbps=nbytes / d / 1e9, combine_gbps=nbytes / c / 1e9, raw_gbps=nbytes / r / 1e9,
+                      dispatch_vs_raw=r / d, combine_vs_raw=r / c, tokens_per_s=T / (d + c))

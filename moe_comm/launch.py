@@ -1,0 +1,64 @@
+"""Run a function on W local ranks: spawned gloo processes, or the group torchrun launched.
+
+``run_ranks(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` in every rank with the
+default process group initialised, and returns rank 0's return value.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["run_ranks", "launched_by_torchrun", "free_port"]
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, result_dir: str, threads: int, fn, args) -> None:
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=300))
+    try:
+        out = fn(rank, world_size, *args)
+        if rank == 0:
+            torch.save(out, os.path.join(result_dir, "result.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args, threads_per_rank: int | None = None) -> Any:
+    """Call ``fn(rank, world_size, *args)`` on every rank; return rank 0's result.
+
+    Under torchrun the launched group is used (NCCL when CUDA is available, else gloo) and this
+    process is one rank. Otherwise ``world_size`` gloo ranks are spawned on this machine, sharing
+    its cores (``threads_per_rank`` default: cores // world_size, at least 1).
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if launched_by_torchrun():
+        if not dist.is_initialized():
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group(backend)
+        return fn(dist.get_rank(), dist.get_world_size(), *args)
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
+    with tempfile.TemporaryDirectory(prefix="moe_comm_run_") as tmp:
+        mp.start_processes(_entry, args=(world_size, free_port(), tmp, threads, fn, args), nprocs=world_size,
+                           join=True, start_method="spawn")
+        path = os.path.join(tmp, "result.pt")
+        return torch.load(path, weights_only=False) if os.path.exists(path) else None
