@@ -11,7 +11,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["resolve_group", "group_size", "group_rank", "all_to_all_v", "exchange_counts"]
+__all__ = ["resolve_group", "group_size", "group_rank", "all_to_all_v", "all_to_all_v_async", "exchange_counts"]
 
 
 def resolve_group(ep_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
@@ -85,3 +85,18 @@ def exchange_counts(send_WX: torch.Tensor, group: Optional[dist.ProcessGroup]) -
     recv_WX = torch.empty_like(send_WX)
     dist.all_to_all_single(recv_WX, send_WX.contiguous(), group=group)
     return recv_WX
+
+
+def all_to_all_v_async(out_RH: torch.Tensor, x_RH: torch.Tensor, out_splits: List[int], in_splits: List[int],
+                       group: Optional[dist.ProcessGroup]):
+    """Issue an all-to-all into ``out_RH`` without waiting; returns the Work (None when W = 1 or when
+    there is nothing to move: then ``out_RH`` is already filled). ``out_RH`` and ``x_RH`` must be
+    contiguous (row slices of a contiguous buffer are)."""
+    if group is None or group_size(group) == 1:
+        if out_RH.data_ptr() != x_RH.data_ptr() or out_RH.numel() != x_RH.numel():
+            out_RH.copy_(x_RH)
+        return None
+    if x_RH.shape[1:].numel() == 0:
+        return None
+    return dist.all_to_all_single(_as_bytes(out_RH), _as_bytes(x_RH), out_splits, in_splits, group=group,
+                                  async_op=True)

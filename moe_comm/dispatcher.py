@@ -19,6 +19,7 @@ import torch.distributed as dist
 from . import ops
 from .comm import all_to_all_v, exchange_counts, group_rank, group_size, resolve_group
 from .layout import Layout
+from .profiling import Timeline
 
 __all__ = ["Dispatcher", "DispatchOutput", "DispatchHandle", "ChunkPlan"]
 
@@ -127,6 +128,7 @@ class Dispatcher:
         self.num_local_experts = num_experts // self.world_size
         self.num_chunks = num_chunks
         self.backend = backend
+        self.timeline = Timeline(rank=self.rank)  # disabled: records nothing until enabled
 
     # ---------------------------------------------------------------- planning
     def _check_inputs(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor) -> None:
@@ -230,32 +232,40 @@ class Dispatcher:
         y_NH = self._return(expert_out_RH, plan)
         return ops.unpermute(y_NH, handle.layout, topk_weight_TK, backend=self.backend)
 
+    def _call_expert_fn(self, expert_fn: Callable, tokens_RH: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+        if getattr(expert_fn, "wants_host_counts", False):
+            out_RH = expert_fn(tokens_RH, plan.tokens_per_expert_e, counts=plan.counts_e)
+        else:
+            out_RH = expert_fn(tokens_RH, plan.tokens_per_expert_e)
+        if not isinstance(out_RH, torch.Tensor) or tuple(out_RH.shape) != tuple(tokens_RH.shape):
+            got = tuple(out_RH.shape) if isinstance(out_RH, torch.Tensor) else type(out_RH).__name__
+            raise ValueError(f"expert_fn must return [R, H] = {list(tokens_RH.shape)}, got {got}")
+        return out_RH
+
     def __call__(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor,
-                 expert_fn: Callable[..., torch.Tensor], *, num_chunks: Optional[int] = None) -> torch.Tensor:
-        """dispatch -> expert_fn -> combine, chunk by chunk.
+                 expert_fn: Callable[..., torch.Tensor], *, num_chunks: Optional[int] = None,
+                 side_fn: Optional[Callable[[], torch.Tensor]] = None):
+        """dispatch -> expert_fn -> combine, pipelined over C chunks (see ``moe_comm.pipeline``).
 
         Args:
             x_TH, topk_idx_TK, topk_weight_TK: as in ``dispatch`` and ``combine``.
             expert_fn: ``expert_fn(tokens_RH, tokens_per_expert_e) -> [R, H]`` on expert-major rows;
                 any differentiable function. If it has ``wants_host_counts = True`` it is also given
                 ``counts=`` (the host list of tokens_per_expert, already known: no extra sync).
-            num_chunks: overrides the Dispatcher's C for this call.
-        Returns: y_TH [T, H].
+            num_chunks: overrides the Dispatcher's C for this call (every rank must pass the same).
+            side_fn: optional work run while the first dispatch is in flight (shared experts); when
+                given, the call returns ``(y_TH, side_fn())``.
+        Returns: y_TH [T, H], equal for every C (chunking only changes when rows move).
         """
+        from .pipeline import run_pipeline
+
         C = self.num_chunks if num_chunks is None else num_chunks
-        handle = self._plan(x_TH, topk_idx_TK, num_chunks=C)
-        x_NH = ops.permute(x_TH, handle.layout, backend=self.backend)
-        wants_counts = getattr(expert_fn, "wants_host_counts", False)
-        outs = []
-        for plan in handle.chunks:
-            tokens_RH = self._send(x_NH.narrow(0, plan.row_offset, plan.num_rows), plan)
-            if wants_counts:
-                out_RH = expert_fn(tokens_RH, plan.tokens_per_expert_e, counts=plan.counts_e)
-            else:
-                out_RH = expert_fn(tokens_RH, plan.tokens_per_expert_e)
-            if not isinstance(out_RH, torch.Tensor) or tuple(out_RH.shape) != tuple(tokens_RH.shape):
-                got = tuple(out_RH.shape) if isinstance(out_RH, torch.Tensor) else type(out_RH).__name__
-                raise ValueError(f"expert_fn must return [R, H] = {list(tokens_RH.shape)}, got {got}")
-            outs.append(self._return(out_RH, plan))
-        y_NH = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
-        return ops.unpermute(y_NH, handle.layout, topk_weight_TK, backend=self.backend)
+        tl = self.timeline
+        with tl.compute("counts"):
+            handle = self._plan(x_TH, topk_idx_TK, num_chunks=C)
+        with tl.compute("permute"):
+            x_NH = ops.permute(x_TH, handle.layout, backend=self.backend)
+        y_NH, side_out = run_pipeline(self, handle, x_NH, expert_fn, side_fn)
+        with tl.compute("unpermute"):
+            y_TH = ops.unpermute(y_NH, handle.layout, topk_weight_TK, backend=self.backend)
+        return y_TH if side_fn is None else (y_TH, side_out)

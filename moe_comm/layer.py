@@ -99,7 +99,10 @@ class MoELayer(nn.Module):
         x_TH = x.reshape(-1, H)
         routing = self.router(x_TH)
         self.aux_loss = routing.aux_loss
-        y_TH = self.dispatcher(x_TH, routing.topk_idx_TK, routing.topk_weight_TK, self.experts)
-        if self.shared_experts is not None:
-            y_TH = y_TH + self.shared_experts(x_TH)
+        if self.shared_experts is None:
+            y_TH = self.dispatcher(x_TH, routing.topk_idx_TK, routing.topk_weight_TK, self.experts)
+        else:  # shared experts compute while the first dispatch is in flight
+            y_TH, shared_TH = self.dispatcher(x_TH, routing.topk_idx_TK, routing.topk_weight_TK, self.experts,
+                                              side_fn=lambda: self.shared_experts(x_TH))
+            y_TH = y_TH + shared_TH
         return y_TH.reshape(x.shape)

@@ -1,0 +1,160 @@
+"""The chunked dispatch -> experts -> combine schedule, forward and backward.
+
+Shapes legend: N routed rows sent, R rows received (per chunk), H hidden, e local experts, C chunks.
+
+Forward, per rank (D = dispatch all-to-all, X = experts, B = combine all-to-all):
+    issue D0 | issue D1, wait D0, X0, issue B0 | issue D2, wait D1, X1, issue B1 | ... | wait all B
+so D(c+1) and B(c-1) are in flight while X(c) computes. Backward mirrors it with the gradient
+all-to-alls: the combine gradient travels in the dispatch direction and vice versa, and chunk c+1's
+gradient exchange is in flight while chunk c's expert backward runs. Every rank issues its
+collectives in the same order (chunk-major), so the schedule cannot deadlock whatever the routing.
+
+The experts' own backward runs as a nested ``torch.autograd.backward`` per chunk (as reentrant
+activation checkpointing does): any differentiable ``expert_fn`` gets correct gradients, which are
+accumulated into ``.grad`` of the leaves it uses. Consequently ``torch.autograd.grad(loss, params)``
+does not return expert-parameter gradients; use ``loss.backward()``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import torch
+
+from .comm import all_to_all_v_async
+from .kernels import select_backend
+
+__all__ = ["run_pipeline"]
+
+
+@dataclass
+class _Run:
+    """Everything one pipelined call needs, handed to the autograd Function."""
+
+    dispatcher: "object"
+    handle: "object"
+    expert_fn: Callable
+    side_fn: Optional[Callable[[], torch.Tensor]]
+    grad_enabled: bool
+    side_out: Optional[torch.Tensor] = None
+    expert_io: List = field(default_factory=list)  # per chunk: (tokens_in_RH leaf, out_RH)
+
+
+def _wait(work) -> None:
+    if work is not None:
+        work.wait()
+
+
+class _PipelinedExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_NH: torch.Tensor, anchor: Optional[torch.Tensor], run: _Run) -> torch.Tensor:
+        d, handle = run.dispatcher, run.handle
+        tl = d.timeline
+        chunks = handle.chunks
+        impl = select_backend(d.backend, x_NH.device)
+        x_NH = x_NH.contiguous()
+        y_NH = torch.empty_like(x_NH)
+        recv, work_d, work_b = [None] * len(chunks), [None] * len(chunks), []
+
+        def issue_dispatch(c: int) -> None:
+            p = chunks[c]
+            src = x_NH.narrow(0, p.row_offset, p.num_rows)
+            if d.world_size == 1:
+                recv[c] = src  # single rank: the rows are already here
+                return
+            recv[c] = x_NH.new_empty(p.num_recv, x_NH.shape[1])
+            work_d[c] = all_to_all_v_async(recv[c], src, p.recv_splits_W, p.send_splits_W, d.group)
+            tl.comm("dispatch", work_d[c], chunk=c)
+
+        issue_dispatch(0)
+        if run.side_fn is not None:  # e.g. shared experts, while the first dispatch is in flight
+            with torch.set_grad_enabled(run.grad_enabled), tl.compute("shared"):
+                run.side_out = run.side_fn()
+        for c, p in enumerate(chunks):
+            if c + 1 < len(chunks):
+                issue_dispatch(c + 1)
+            _wait(work_d[c])
+            with tl.compute("experts", chunk=c):
+                tokens_RH = recv[c] if p.expert_index_R is None else impl.permute_rows(recv[c], p.expert_index_R)
+                with torch.set_grad_enabled(run.grad_enabled):
+                    t_in = tokens_RH.detach().requires_grad_(run.grad_enabled)
+                    out_RH = d._call_expert_fn(run.expert_fn, t_in, p)
+                if run.grad_enabled:
+                    run.expert_io.append((t_in, out_RH))
+                back_RH = out_RH.detach()
+                if p.expert_index_R is not None:
+                    back_RH = impl.permute_rows(back_RH.contiguous(), p.source_index_R)
+            dst = y_NH.narrow(0, p.row_offset, p.num_rows)
+            if d.world_size == 1:
+                dst.copy_(back_RH)
+            else:
+                w = all_to_all_v_async(dst, back_RH.contiguous(), p.send_splits_W, p.recv_splits_W, d.group)
+                tl.comm("combine", w, chunk=c)
+                work_b.append(w)
+        for w in work_b:
+            _wait(w)
+        ctx.run = run
+        return y_NH
+
+    @staticmethod
+    def backward(ctx, grad_y_NH: torch.Tensor):
+        run: _Run = ctx.run
+        d, chunks = run.dispatcher, run.handle.chunks
+        tl = d.timeline
+        if not run.expert_io:
+            raise RuntimeError("moe_comm pipeline: backward called on a forward run without grad enabled")
+        impl = select_backend(d.backend, grad_y_NH.device)
+        grad_y_NH = grad_y_NH.contiguous()
+        grad_x_NH = torch.empty_like(grad_y_NH)
+        recv, work_g, work_x = [None] * len(chunks), [None] * len(chunks), []
+
+        def issue_grad_combine(c: int) -> None:
+            # The gradient of combine goes the dispatch way: to the ranks that hold the experts.
+            p = chunks[c]
+            src = grad_y_NH.narrow(0, p.row_offset, p.num_rows)
+            if d.world_size == 1:
+                recv[c] = src
+                return
+            recv[c] = grad_y_NH.new_empty(p.num_recv, grad_y_NH.shape[1])
+            work_g[c] = all_to_all_v_async(recv[c], src, p.recv_splits_W, p.send_splits_W, d.group)
+            tl.comm("combine", work_g[c], chunk=c, direction="bwd")
+
+        issue_grad_combine(0)
+        for c, p in enumerate(chunks):
+            if c + 1 < len(chunks):
+                issue_grad_combine(c + 1)
+            _wait(work_g[c])
+            with tl.compute("experts", chunk=c, direction="bwd"):
+                g_RH = recv[c] if p.expert_index_R is None else impl.permute_rows(recv[c], p.expert_index_R)
+                t_in, out_RH = run.expert_io[c]
+                if out_RH.requires_grad:
+                    torch.autograd.backward([out_RH], [g_RH.to(out_RH.dtype)])
+                g_in = t_in.grad if t_in.grad is not None else torch.zeros_like(t_in)
+                if p.expert_index_R is not None:
+                    g_in = impl.permute_rows(g_in.contiguous(), p.source_index_R)
+                run.expert_io[c] = None  # free the chunk's activations
+            dst = grad_x_NH.narrow(0, p.row_offset, p.num_rows)
+            if d.world_size == 1:
+                dst.copy_(g_in)
+            else:
+                w = all_to_all_v_async(dst, g_in.contiguous(), p.send_splits_W, p.recv_splits_W, d.group)
+                tl.comm("dispatch", w, chunk=c, direction="bwd")
+                work_x.append(w)
+        for w in work_x:
+            _wait(w)
+        return grad_x_NH, None, None
+
+
+def run_pipeline(dispatcher, handle, x_NH: torch.Tensor, expert_fn: Callable,
+                 side_fn: Optional[Callable[[], torch.Tensor]] = None):
+    """Pipelined dispatch -> expert_fn -> combine of the permuted rows ``x_NH`` [N, H].
+
+    Returns (y_NH [N, H] combined rows in x_NH's order, side_fn's result or None).
+    """
+    run = _Run(dispatcher=dispatcher, handle=handle, expert_fn=expert_fn, side_fn=side_fn,
+               grad_enabled=torch.is_grad_enabled())
+    # The anchor makes the output require grad whenever grad mode is on, so backward runs (and the
+    # experts get their gradients) even when x itself needs none, e.g. the first layer's input.
+    anchor = torch.empty(0, device=x_NH.device, requires_grad=True) if run.grad_enabled else None
+    y_NH = _PipelinedExperts.apply(x_NH, anchor, run)
+    return y_NH, run.side_out
