@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from . import ops
 from .comm import all_to_all_v, exchange_counts, group_rank, group_size, resolve_group
+from .autochunk import PipelinePlan, choose_num_chunks, measure_alpha_beta
 from .layout import Layout
 from .profiling import Timeline
 
@@ -116,8 +117,9 @@ class Dispatcher:
                  *, backend: str = "auto"):
         if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
             raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
-        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
-            raise ValueError(f"num_chunks must be an int >= 1, got {num_chunks!r}")
+        if num_chunks != "auto" and (isinstance(num_chunks, bool) or not isinstance(num_chunks, int)
+                                     or num_chunks < 1):
+            raise ValueError(f"num_chunks must be an int >= 1 or 'auto', got {num_chunks!r}")
         self.group = resolve_group(ep_group)
         self.world_size = group_size(self.group)
         self.rank = group_rank(self.group)
@@ -129,6 +131,7 @@ class Dispatcher:
         self.num_chunks = num_chunks
         self.backend = backend
         self.timeline = Timeline(rank=self.rank)  # disabled: records nothing until enabled
+        self.plans: Dict[tuple, PipelinePlan] = {}  # num_chunks="auto": (H, dtype) -> plan
 
     # ---------------------------------------------------------------- planning
     def _check_inputs(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor) -> None:
@@ -149,13 +152,17 @@ class Dispatcher:
     def _plan(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_chunks: int) -> DispatchHandle:
         self._check_inputs(x_TH, topk_idx_TK)
         W, e, C = self.world_size, self.num_local_experts, num_chunks
-        layout = ops.make_layout(topk_idx_TK, self.num_experts, num_ranks=W, num_chunks=C, backend=self.backend)
+        tl = self.timeline
+        with tl.compute("layout"):
+            layout = ops.make_layout(topk_idx_TK, self.num_experts, num_ranks=W, num_chunks=C, backend=self.backend)
         # Row w of send goes to rank w: its counts for every chunk, then this rank's status word
         # (invalid expert ids), so every rank learns of a bad input in the same exchange.
         send_WX = torch.cat([layout.counts_CWe.permute(1, 0, 2).reshape(W, C * e),
                              layout.num_invalid.reshape(1, 1).expand(W, 1)], dim=1)
+        t0 = tl.mark()
         recv_WX = exchange_counts(send_WX, self.group)
         host = torch.cat([send_WX.reshape(-1), recv_WX.reshape(-1)]).tolist()  # host sync: split sizes
+        tl.comm("counts", None, start=t0)
         X = C * e + 1
         send = [host[w * X:(w + 1) * X] for w in range(W)]
         recv = [host[(W + w) * X:(W + w + 1) * X] for w in range(W)]
@@ -259,13 +266,36 @@ class Dispatcher:
         """
         from .pipeline import run_pipeline
 
-        C = self.num_chunks if num_chunks is None else num_chunks
+        C, measure = self.num_chunks if num_chunks is None else num_chunks, False
+        if C == "auto":
+            plan = self.plans.get((x_TH.shape[-1], x_TH.dtype))
+            C, measure = (1, True) if plan is None else (plan.num_chunks, False)
         tl = self.timeline
-        with tl.compute("counts"):
-            handle = self._plan(x_TH, topk_idx_TK, num_chunks=C)
+        handle = self._plan(x_TH, topk_idx_TK, num_chunks=C)
         with tl.compute("permute"):
             x_NH = ops.permute(x_TH, handle.layout, backend=self.backend)
-        y_NH, side_out = run_pipeline(self, handle, x_NH, expert_fn, side_fn)
+        y_NH, side_out, expert_s = run_pipeline(self, handle, x_NH, expert_fn, side_fn, measure=measure)
+        if measure:
+            self._make_plan(x_TH, handle, expert_s)
         with tl.compute("unpermute"):
             y_TH = ops.unpermute(y_NH, handle.layout, topk_weight_TK, backend=self.backend)
         return y_TH if side_fn is None else (y_TH, side_out)
+
+    @property
+    def plan(self) -> Optional[PipelinePlan]:
+        """The most recent num_chunks="auto" plan (None before the first auto call)."""
+        return next(reversed(self.plans.values()), None)
+
+    def _make_plan(self, x_TH: torch.Tensor, handle: DispatchHandle, expert_s: float) -> None:
+        """After the first auto call (run unchunked, experts timed): fit the link and choose C.
+
+        Collective: all ranks agree on the slowest rank's expert time and largest message, so every
+        rank picks the same C.
+        """
+        nbytes = handle.layout.num_rows * x_TH.shape[1] * x_TH.element_size()
+        alpha, beta = measure_alpha_beta(self.group, x_TH.device)
+        stats = torch.tensor([expert_s, float(nbytes)], dtype=torch.float64)
+        if self.group is not None and self.world_size > 1:
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.group)
+        expert_max, bytes_max = stats.tolist()  # host sync: none, a CPU tensor
+        self.plans[(x_TH.shape[-1], x_TH.dtype)] = choose_num_chunks(expert_max, bytes_max, alpha, beta)

@@ -47,8 +47,6 @@ class MoELayer(nn.Module):
         super().__init__()
         if not isinstance(cfg, MoEConfig):
             raise TypeError(f"cfg must be a MoEConfig, got {type(cfg).__name__}")
-        if cfg.num_chunks == "auto":
-            raise ValueError("MoEConfig.num_chunks='auto' is not available yet; give an int >= 1")
         self.cfg = cfg
         self.ep_group = resolve_group(ep_group)
         W, rank = group_size(self.ep_group), group_rank(self.ep_group)
@@ -81,6 +79,16 @@ class MoELayer(nn.Module):
             dist.broadcast(p.data, src=src, group=self.ep_group)
 
     @property
+    def timeline(self):
+        """The layer's Timeline (disabled by default): ``layer.timeline.enabled = True`` to record spans."""
+        return self.dispatcher.timeline
+
+    @property
+    def pipeline_plan(self):
+        """With num_chunks="auto": the PipelinePlan chosen on the first forward (C, the fit, the reason)."""
+        return self.dispatcher.plan
+
+    @property
     def local_expert_ids(self) -> List[int]:
         """Global ids of the experts this rank holds (rank * e ... rank * e + e - 1)."""
         return self.experts.expert_ids
@@ -97,7 +105,8 @@ class MoELayer(nn.Module):
         if x.device != self.experts.w1.device:
             raise ValueError(f"x must be on the layer's device {self.experts.w1.device}, got {x.device}")
         x_TH = x.reshape(-1, H)
-        routing = self.router(x_TH)
+        with self.timeline.compute("router"):
+            routing = self.router(x_TH)
         self.aux_loss = routing.aux_loss
         if self.shared_experts is None:
             y_TH = self.dispatcher(x_TH, routing.topk_idx_TK, routing.topk_weight_TK, self.experts)

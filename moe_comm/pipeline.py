@@ -16,6 +16,7 @@ does not return expert-parameter gradients; use ``loss.backward()``.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
@@ -36,8 +37,16 @@ class _Run:
     expert_fn: Callable
     side_fn: Optional[Callable[[], torch.Tensor]]
     grad_enabled: bool
+    measure: bool = False  # time the experts (num_chunks="auto" planning; syncs CUDA once)
+    expert_s: float = 0.0
     side_out: Optional[torch.Tensor] = None
     expert_io: List = field(default_factory=list)  # per chunk: (tokens_in_RH leaf, out_RH)
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # host sync: only while measuring for num_chunks="auto"
+    return time.perf_counter()
 
 
 def _wait(work) -> None:
@@ -63,8 +72,9 @@ class _PipelinedExperts(torch.autograd.Function):
                 recv[c] = src  # single rank: the rows are already here
                 return
             recv[c] = x_NH.new_empty(p.num_recv, x_NH.shape[1])
+            t0 = tl.mark()
             work_d[c] = all_to_all_v_async(recv[c], src, p.recv_splits_W, p.send_splits_W, d.group)
-            tl.comm("dispatch", work_d[c], chunk=c)
+            tl.comm("dispatch", work_d[c], chunk=c, start=t0)
 
         issue_dispatch(0)
         if run.side_fn is not None:  # e.g. shared experts, while the first dispatch is in flight
@@ -76,9 +86,12 @@ class _PipelinedExperts(torch.autograd.Function):
             _wait(work_d[c])
             with tl.compute("experts", chunk=c):
                 tokens_RH = recv[c] if p.expert_index_R is None else impl.permute_rows(recv[c], p.expert_index_R)
+                t0 = _now(x_NH.device) if run.measure else 0.0
                 with torch.set_grad_enabled(run.grad_enabled):
                     t_in = tokens_RH.detach().requires_grad_(run.grad_enabled)
                     out_RH = d._call_expert_fn(run.expert_fn, t_in, p)
+                if run.measure:
+                    run.expert_s += _now(x_NH.device) - t0
                 if run.grad_enabled:
                     run.expert_io.append((t_in, out_RH))
                 back_RH = out_RH.detach()
@@ -88,8 +101,9 @@ class _PipelinedExperts(torch.autograd.Function):
             if d.world_size == 1:
                 dst.copy_(back_RH)
             else:
+                t0 = tl.mark()
                 w = all_to_all_v_async(dst, back_RH.contiguous(), p.send_splits_W, p.recv_splits_W, d.group)
-                tl.comm("combine", w, chunk=c)
+                tl.comm("combine", w, chunk=c, start=t0)
                 work_b.append(w)
         for w in work_b:
             _wait(w)
@@ -116,8 +130,9 @@ class _PipelinedExperts(torch.autograd.Function):
                 recv[c] = src
                 return
             recv[c] = grad_y_NH.new_empty(p.num_recv, grad_y_NH.shape[1])
+            t0 = tl.mark()
             work_g[c] = all_to_all_v_async(recv[c], src, p.recv_splits_W, p.send_splits_W, d.group)
-            tl.comm("combine", work_g[c], chunk=c, direction="bwd")
+            tl.comm("combine", work_g[c], chunk=c, direction="bwd", start=t0)
 
         issue_grad_combine(0)
         for c, p in enumerate(chunks):
@@ -137,8 +152,9 @@ class _PipelinedExperts(torch.autograd.Function):
             if d.world_size == 1:
                 dst.copy_(g_in)
             else:
+                t0 = tl.mark()
                 w = all_to_all_v_async(dst, g_in.contiguous(), p.send_splits_W, p.recv_splits_W, d.group)
-                tl.comm("dispatch", w, chunk=c, direction="bwd")
+                tl.comm("dispatch", w, chunk=c, direction="bwd", start=t0)
                 work_x.append(w)
         for w in work_x:
             _wait(w)
@@ -146,15 +162,16 @@ class _PipelinedExperts(torch.autograd.Function):
 
 
 def run_pipeline(dispatcher, handle, x_NH: torch.Tensor, expert_fn: Callable,
-                 side_fn: Optional[Callable[[], torch.Tensor]] = None):
+                 side_fn: Optional[Callable[[], torch.Tensor]] = None, measure: bool = False):
     """Pipelined dispatch -> expert_fn -> combine of the permuted rows ``x_NH`` [N, H].
 
-    Returns (y_NH [N, H] combined rows in x_NH's order, side_fn's result or None).
+    Returns (y_NH [N, H] combined rows in x_NH's order, side_fn's result or None, expert seconds
+    when ``measure`` else 0).
     """
     run = _Run(dispatcher=dispatcher, handle=handle, expert_fn=expert_fn, side_fn=side_fn,
-               grad_enabled=torch.is_grad_enabled())
+               grad_enabled=torch.is_grad_enabled(), measure=measure)
     # The anchor makes the output require grad whenever grad mode is on, so backward runs (and the
     # experts get their gradients) even when x itself needs none, e.g. the first layer's input.
     anchor = torch.empty(0, device=x_NH.device, requires_grad=True) if run.grad_enabled else None
     y_NH = _PipelinedExperts.apply(x_NH, anchor, run)
-    return y_NH, run.side_out
+    return y_NH, run.side_out, run.expert_s

@@ -1,0 +1,106 @@
+"""num_chunks="auto": pick the pipeline depth C from measurements, not guesses.
+
+Model (one forward; backward is the same with twice the compute). Per chunk, an all-to-all of S/C
+bytes takes c = alpha + S / (C * beta) (alpha: latency, beta: bandwidth, fitted on this group), and the
+experts take x = X / C + kappa (X: measured expert time of the whole step, kappa: fixed cost of one
+more chunk: a kernel launch / Python round). Dispatch and combine share the link, so
+    T(C) = max(C * x + 2c,  2C * c + x)
+which is x + 2c (serial) at C = 1, compute-bound C * x + 2c or link-bound 2C * c + x beyond.
+C = 1 wins when communication is negligible (every extra chunk only adds alpha and kappa).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["PipelinePlan", "fit_alpha_beta", "measure_alpha_beta", "predict_step", "choose_num_chunks"]
+
+CANDIDATES = (1, 2, 4, 8, 16)
+KAPPA_S = 2e-4  # per-chunk fixed cost; ~0.2 ms of Python + kernel launches per chunk (CPU measurement)
+
+
+@dataclass
+class PipelinePlan:
+    """What ``num_chunks="auto"`` chose and why (``layer.pipeline_plan``)."""
+
+    num_chunks: int
+    alpha_s: float                 # all-to-all latency
+    beta_bytes_per_s: float        # all-to-all bandwidth (bytes leaving a rank per second)
+    expert_s: float                # measured expert compute of one forward (slowest rank)
+    bytes_per_a2a: int             # bytes one rank sends in the dispatch (largest over ranks)
+    predicted_s: Dict[int, float] = field(default_factory=dict)  # C -> predicted fwd+bwd time
+    reason: str = ""
+
+    def as_dict(self) -> Dict:
+        return asdict(self)
+
+
+def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float]):
+    """Least-squares fit t = alpha + size / beta. Returns (alpha >= 0, beta > 0)."""
+    n = len(sizes)
+    if n < 2:
+        raise ValueError(f"sizes needs at least 2 points, got {n}")
+    mx, my = sum(sizes) / n, sum(times) / n
+    sxx = sum((s - mx) ** 2 for s in sizes)
+    slope = sum((s - mx) * (t - my) for s, t in zip(sizes, times)) / sxx if sxx > 0 else 0.0
+    slope = max(slope, 1e-15)  # a flat fit means a very fast link
+    alpha = max(my - slope * mx, 0.0)
+    return alpha, 1.0 / slope
+
+
+def measure_alpha_beta(group: Optional[dist.ProcessGroup], device: torch.device,
+                       sizes: Sequence[int] = (4 << 10, 64 << 10, 512 << 10, 2 << 20), repeats: int = 3):
+    """Time all_to_all_single of even splits at several per-rank sizes (bytes) on ``group``; fit alpha, beta.
+
+    Collective: every rank of the group must call it with the same arguments. Returns (alpha, beta),
+    the slowest rank's view (all-reduced MAX of each median time).
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return 0.0, float("inf")
+    W = dist.get_world_size(group)
+    medians = []
+    for size in sizes:
+        per = max(size // W, 1)
+        send = torch.zeros(per * W, dtype=torch.uint8, device=device)
+        recv = torch.empty_like(send)
+        samples = []
+        for _ in range(repeats + 1):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            dist.all_to_all_single(recv, send, group=group)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # host sync: one-time measurement
+            samples.append(time.perf_counter() - t0)
+        medians.append(statistics.median(samples[1:]))
+    t = torch.tensor(medians, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return fit_alpha_beta([float(s) for s in sizes], t.tolist())  # host sync: none, CPU tensor
+
+
+def predict_step(C: int, expert_s: float, nbytes: float, alpha: float, beta: float, kappa: float = KAPPA_S) -> float:
+    """Predicted forward + backward time of the pipelined experts with C chunks (see module doc)."""
+    c = alpha + nbytes / (C * beta) if beta != float("inf") else alpha
+    total = 0.0
+    for X in (expert_s, 2.0 * expert_s):  # forward, backward
+        x = X / C + kappa
+        total += max(C * x + 2 * c, 2 * C * c + x)
+    return total
+
+
+def choose_num_chunks(expert_s: float, nbytes: float, alpha: float, beta: float,
+                      candidates: Sequence[int] = CANDIDATES) -> PipelinePlan:
+    """The C in ``candidates`` with the smallest predicted step (ties: the smaller C)."""
+    pred = {C: predict_step(C, expert_s, nbytes, alpha, beta) for C in candidates}
+    best = min(candidates, key=lambda C: (pred[C], C))
+    comm = 2 * (alpha + (nbytes / beta if beta != float("inf") else 0.0))
+    serial = pred[1]
+    reason = (f"C={best}: comm {comm * 1e3:.2f} ms/fwd (alpha {alpha * 1e6:.0f} us, beta {beta / 1e9:.2f} GB/s, "
+              f"{nbytes / 1e6:.2f} MB per a2a), experts {expert_s * 1e3:.2f} ms/fwd; predicted fwd+bwd "
+              f"{pred[best] * 1e3:.2f} ms vs {serial * 1e3:.2f} ms unchunked")
+    return PipelinePlan(num_chunks=best, alpha_s=alpha, beta_bytes_per_s=beta, expert_s=expert_s,
+                        bytes_per_a2a=int(nbytes), predicted_s=pred, reason=reason)
