@@ -21,7 +21,7 @@ import torch.distributed as dist
 __all__ = ["PipelinePlan", "fit_alpha_beta", "measure_alpha_beta", "predict_step", "choose_num_chunks"]
 
 CANDIDATES = (1, 2, 4, 8, 16)
-KAPPA_S = 2e-4  # per-chunk fixed cost; ~0.2 ms of Python + kernel launches per chunk (CPU measurement)
+KAPPA_S = 2e-4  # default per-chunk fixed cost when none is measured (~0.2 ms: Python + launches)
 
 
 @dataclass
@@ -32,6 +32,7 @@ class PipelinePlan:
     alpha_s: float                 # all-to-all latency
     beta_bytes_per_s: float        # all-to-all bandwidth (bytes leaving a rank per second)
     expert_s: float                # measured expert compute of one forward (slowest rank)
+    kappa_s: float                 # measured fixed cost of one more chunk (experts on an empty chunk)
     bytes_per_a2a: int             # bytes one rank sends in the dispatch (largest over ranks)
     predicted_s: Dict[int, float] = field(default_factory=dict)  # C -> predicted fwd+bwd time
     reason: str = ""
@@ -82,25 +83,32 @@ def measure_alpha_beta(group: Optional[dist.ProcessGroup], device: torch.device,
     return fit_alpha_beta([float(s) for s in sizes], t.tolist())  # host sync: none, CPU tensor
 
 
-def predict_step(C: int, expert_s: float, nbytes: float, alpha: float, beta: float, kappa: float = KAPPA_S) -> float:
+def predict_step(C: int, expert_s: float, nbytes: float, alpha: float, beta: float,
+                 kappa: float = KAPPA_S) -> float:
     """Predicted forward + backward time of the pipelined experts with C chunks (see module doc)."""
     c = alpha + nbytes / (C * beta) if beta != float("inf") else alpha
     total = 0.0
     for X in (expert_s, 2.0 * expert_s):  # forward, backward
-        x = X / C + kappa
+        x = X / C + kappa * (X / expert_s if expert_s > 0 else 1.0)  # backward costs twice per chunk too
         total += max(C * x + 2 * c, 2 * C * c + x)
     return total
 
 
-def choose_num_chunks(expert_s: float, nbytes: float, alpha: float, beta: float,
+def choose_num_chunks(expert_s: float, nbytes: float, alpha: float, beta: float, kappa: float = KAPPA_S,
                       candidates: Sequence[int] = CANDIDATES) -> PipelinePlan:
-    """The C in ``candidates`` with the smallest predicted step (ties: the smaller C)."""
-    pred = {C: predict_step(C, expert_s, nbytes, alpha, beta) for C in candidates}
-    best = min(candidates, key=lambda C: (pred[C], C))
+    """The C in ``candidates`` with the smallest predicted step (ties: the smaller C).
+
+    A deeper pipeline must beat the next shallower one by 3% to be chosen: the model ignores the
+    GEMM efficiency lost on smaller chunks."""
+    pred = {C: predict_step(C, expert_s, nbytes, alpha, beta, kappa) for C in candidates}
+    best = candidates[0]
+    for C in candidates[1:]:
+        if pred[C] < 0.97 * pred[best]:
+            best = C
     comm = 2 * (alpha + (nbytes / beta if beta != float("inf") else 0.0))
     serial = pred[1]
-    reason = (f"C={best}: comm {comm * 1e3:.2f} ms/fwd (alpha {alpha * 1e6:.0f} us, beta {beta / 1e9:.2f} GB/s, "
+    reason = (f"C={best}: per-chunk overhead {kappa * 1e3:.2f} ms, comm {comm * 1e3:.2f} ms/fwd (alpha {alpha * 1e6:.0f} us, beta {beta / 1e9:.2f} GB/s, "
               f"{nbytes / 1e6:.2f} MB per a2a), experts {expert_s * 1e3:.2f} ms/fwd; predicted fwd+bwd "
               f"{pred[best] * 1e3:.2f} ms vs {serial * 1e3:.2f} ms unchunked")
-    return PipelinePlan(num_chunks=best, alpha_s=alpha, beta_bytes_per_s=beta, expert_s=expert_s,
+    return PipelinePlan(num_chunks=best, alpha_s=alpha, beta_bytes_per_s=beta, expert_s=expert_s, kappa_s=kappa,
                         bytes_per_a2a=int(nbytes), predicted_s=pred, reason=reason)

@@ -1,0 +1,194 @@
+"""Overlap benchmark: forward+backward of one MoE layer for C = 1, 2, 4, 8 and auto, on 2 and 4 gloo
+ranks, on plain loopback and on an emulated 1 Gbit/s link (a shaped network namespace), in one run.
+
+For every point: median step time, the timeline's T_compute / T_comm / hidden / exposed, and the ideal
+max(T_compute, T_comm) measured separately (the bare expert GEMMs forward+backward on the same rows;
+the raw all-to-alls of the same bytes and splits). Wall-clock hidden estimate:
+(T_serial - T_pipelined) / min(T_comm, T_compute), T_serial = the C = 1 step.
+
+    python benchmarks/overlap.py --json results/overlap.json
+    python benchmarks/overlap.py --links loopback --world-sizes 2      # quick
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import moe_comm  # noqa: E402
+from moe_comm.comm import all_to_all_v  # noqa: E402
+from moe_comm.launch import run_ranks  # noqa: E402
+from moe_comm.profiling import overlap_report  # noqa: E402
+
+
+def _median_slowest(samples, group=None) -> float:
+    t = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t)
+
+
+def _step(layer, x):
+    dist.barrier()
+    t0 = time.perf_counter()
+    y = layer(x)
+    (y.float().square().mean() + layer.aux_loss).backward()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def _rank_main(rank, world_size, a):
+    torch.manual_seed(0)
+    chunk_opts = a["chunks"]
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(a["tokens"], a["hidden"], generator=g).requires_grad_(True)
+    out = {"points": []}
+    for C in chunk_opts:
+        cfg = moe_comm.MoEConfig(hidden_size=a["hidden"], ffn_hidden_size=a["ffn"], num_experts=a["experts"],
+                                 top_k=a["top_k"], num_chunks=C)
+        layer = moe_comm.MoELayer(cfg, seed=1)
+        for _ in range(a["warmup"]):
+            _step(layer, x)
+        times = [_step(layer, x) for _ in range(a["repeats"])]
+        layer.timeline.enabled = True
+        _step(layer, x)
+        layer.timeline.enabled = False
+        rep = overlap_report(layer.timeline.gather())["overall"]
+        point = {"C": C, "chosen_C": layer.pipeline_plan.num_chunks if C == "auto" else C,
+                 "step_s": _median_slowest(times), "T_compute_s": rep["T_compute"], "T_comm_s": rep["T_comm"],
+                 "hidden_s": rep["hidden"], "exposed_s": rep["exposed"],
+                 "timeline_overlap_fraction": rep["overlap_fraction"]}
+        if C == "auto":
+            point["plan"] = layer.pipeline_plan.reason
+        out["points"].append(point)
+    # Ideal terms, measured separately on the same rows: bare GEMMs and raw all-to-alls of the same bytes.
+    layer = moe_comm.MoELayer(moe_comm.MoEConfig(hidden_size=a["hidden"], ffn_hidden_size=a["ffn"],
+                                                 num_experts=a["experts"], top_k=a["top_k"]), seed=1)
+    with torch.no_grad():
+        r = layer.router(x)
+    handle = layer.dispatcher._plan(x.detach(), r.topk_idx_TK, num_chunks=1)
+    plan = handle.chunks[0]
+    tokens = torch.randn(plan.num_recv, a["hidden"], requires_grad=True)
+    x_NH = torch.randn(plan.num_rows, a["hidden"])
+    gemm, comm = [], []
+    for i in range(a["warmup"] + a["repeats"]):
+        t0 = time.perf_counter()
+        layer.experts(tokens, plan.tokens_per_expert_e, counts=plan.counts_e).square().mean().backward()
+        t1 = time.perf_counter()
+        dist.barrier()
+        t2 = time.perf_counter()
+        for _ in range(2):  # forward: dispatch + combine; backward: the same bytes again
+            all_to_all_v(x_NH, plan.recv_splits_W, plan.send_splits_W, layer.dispatcher.group)
+            all_to_all_v(x_NH.new_empty(plan.num_recv, a["hidden"]), plan.send_splits_W, plan.recv_splits_W,
+                         layer.dispatcher.group)
+        dist.barrier()
+        t3 = time.perf_counter()
+        if i >= a["warmup"]:
+            gemm.append(t1 - t0)
+            comm.append(t3 - t2)
+    out["bare_gemm_s"] = _median_slowest(gemm)
+    out["raw_a2a_s"] = _median_slowest(comm)
+    return out
+
+
+def _summarise(res, link, world_size):
+    pts = res["points"]
+    serial = next(p for p in pts if p["C"] == 1)["step_s"]
+    fixed = [p for p in pts if p["C"] != "auto"]
+    best = min(fixed, key=lambda p: p["step_s"])
+    ideal = max(res["bare_gemm_s"], res["raw_a2a_s"])
+    lo = min(res["bare_gemm_s"], res["raw_a2a_s"])
+    for p in pts:
+        p["vs_ideal"] = p["step_s"] / ideal
+        p["wallclock_hidden_fraction"] = (serial - p["step_s"]) / lo if lo > 0 else 0.0
+    auto = next((p for p in pts if p["C"] == "auto"), None)
+    return {"link": link, "world_size": world_size, "bare_gemm_s": res["bare_gemm_s"], "raw_a2a_s": res["raw_a2a_s"],
+            "ideal_s": ideal, "comm_over_compute": res["raw_a2a_s"] / res["bare_gemm_s"], "best_C": best["C"],
+            "best_step_s": best["step_s"], "auto_vs_best": auto["step_s"] / best["step_s"] if auto else None,
+            "points": pts}
+
+
+def _print(summaries):
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="MoE layer fwd+bwd: pipelined chunks vs the ideal max(T_compute, T_comm)")
+    for col in ("link", "W", "C", "step ms", "ideal ms", "step/ideal", "T_comp ms", "T_comm ms", "hidden ms",
+                "exposed ms", "tl overlap", "wall overlap"):
+        t.add_column(col, justify="right")
+    for s in summaries:
+        for p in s["points"]:
+            c = f"auto->{p['chosen_C']}" if p["C"] == "auto" else str(p["C"])
+            t.add_row(s["link"], str(s["world_size"]), c, f"{p['step_s'] * 1e3:.1f}", f"{s['ideal_s'] * 1e3:.1f}",
+                      f"{p['vs_ideal']:.2f}", f"{p['T_compute_s'] * 1e3:.1f}", f"{p['T_comm_s'] * 1e3:.1f}",
+                      f"{p['hidden_s'] * 1e3:.1f}", f"{p['exposed_s'] * 1e3:.1f}",
+                      f"{p['timeline_overlap_fraction']:.0%}", f"{p['wallclock_hidden_fraction']:.0%}")
+    Console().print(t)
+    for s in summaries:
+        print(f"{s['link']:>8} W={s['world_size']}: bare GEMMs {s['bare_gemm_s'] * 1e3:.1f} ms, raw a2a "
+              f"{s['raw_a2a_s'] * 1e3:.1f} ms (comm/compute {s['comm_over_compute']:.2f}); best C={s['best_C']}"
+              f" {s['best_step_s'] * 1e3:.1f} ms; auto/best {s['auto_vs_best']:.3f}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--links", default="loopback,1gbit", help="comma list: loopback and/or tc rates like 1gbit")
+    p.add_argument("--world-sizes", default="2,4")
+    p.add_argument("--chunks", default="1,2,4,8,auto")
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--ffn", type=int, default=256)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", default=None)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: W,outfile
+    a = p.parse_args(argv)
+    params = {"tokens": a.tokens, "hidden": a.hidden, "ffn": a.ffn, "experts": a.experts, "top_k": a.top_k,
+              "warmup": a.warmup, "repeats": a.repeats,
+              "chunks": [c if c == "auto" else int(c) for c in a.chunks.split(",")]}
+    if a.worker:
+        W, path = a.worker.split(",", 1)
+        res = run_ranks(_rank_main, int(W), params)
+        with open(path, "w") as f:
+            json.dump(res, f)
+        return 0
+    summaries = []
+    for link in a.links.split(","):
+        for W in (int(w) for w in a.world_sizes.split(",")):
+            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+                path = f.name
+            cmd = [sys.executable, os.path.abspath(__file__), "--worker", f"{W},{path}"] + \
+                (argv if argv is not None else sys.argv[1:])
+            if link == "loopback":
+                rc = subprocess.call(cmd)
+            else:
+                from moe_comm.slow_link import run_on_slow_link
+                rc = run_on_slow_link(cmd, rate=link)
+            if rc != 0:
+                print(f"error: worker for link={link} W={W} exited with {rc}", file=sys.stderr)
+                return 1
+            with open(path) as f:
+                summaries.append(_summarise(json.load(f), link, W))
+            os.unlink(path)
+    _print(summaries)
+    if a.json:
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump({"params": params, "results": summaries}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
