@@ -6,12 +6,37 @@ bfloat16 reductions, but an all-to-all needs no arithmetic).
 """
 from __future__ import annotations
 
+import datetime
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["resolve_group", "group_size", "group_rank", "all_to_all_v", "all_to_all_v_async", "exchange_counts"]
+__all__ = ["resolve_group", "group_size", "group_rank", "all_to_all_v", "all_to_all_v_async", "exchange_counts",
+           "CollectiveError", "wait_work"]
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out (a dead or stuck peer); names the phase and chunk."""
+
+
+def wait_work(work, phase: str, chunk: int = -1, *, timeout: Optional[float] = None, rank: int = 0,
+              direction: str = "fwd") -> None:
+    """``work.wait()`` that turns a failure or timeout into a CollectiveError naming where it happened.
+
+    timeout: seconds (None: the process group's own timeout).
+    """
+    if work is None:
+        return
+    try:
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as e:
+        where = phase if chunk < 0 else f"{phase} of chunk {chunk}"
+        raise CollectiveError(f"moe_comm: EP rank {rank}: the {where} all-to-all ({direction}) failed or timed "
+                              f"out; a peer rank may have died or stalled: {e}") from e
 
 
 def resolve_group(ep_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
@@ -75,7 +100,8 @@ def all_to_all_v(x_RH: torch.Tensor, out_splits: List[int], in_splits: List[int]
     return _AllToAllV.apply(x_RH, list(out_splits), list(in_splits), group)
 
 
-def exchange_counts(send_WX: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+def exchange_counts(send_WX: torch.Tensor, group: Optional[dist.ProcessGroup], *,
+                    timeout: Optional[float] = None) -> torch.Tensor:
     """Row w of ``send_WX`` goes to rank w; returns [W, X] with row w received from rank w.
 
     One ``all_to_all_single`` of int64 counts; no host sync here (the caller reads the result once).
@@ -83,7 +109,8 @@ def exchange_counts(send_WX: torch.Tensor, group: Optional[dist.ProcessGroup]) -
     if group is None or group_size(group) == 1:
         return send_WX
     recv_WX = torch.empty_like(send_WX)
-    dist.all_to_all_single(recv_WX, send_WX.contiguous(), group=group)
+    work = dist.all_to_all_single(recv_WX, send_WX.contiguous(), group=group, async_op=True)
+    wait_work(work, "counts exchange", timeout=timeout, rank=group_rank(group))
     return recv_WX
 
 

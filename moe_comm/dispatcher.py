@@ -25,6 +25,7 @@ from .profiling import Timeline
 __all__ = ["Dispatcher", "DispatchOutput", "DispatchHandle", "ChunkPlan"]
 
 _call_ids = itertools.count()
+_STATUS = 3  # status words after the counts: [invalid expert ids, non-finite rows (strict), input rejected]
 
 
 @dataclass
@@ -108,13 +109,18 @@ class Dispatcher:
             torch.distributed is initialised, else a single process (W = 1, no collectives).
         num_chunks: C, micro-chunks for ``__call__`` (tokens split into C contiguous ranges).
         backend: permutation kernels, "auto" | "triton" | "native" | "torch".
+        strict: also reject non-finite (NaN/Inf) rows of x: every rank raises, naming the rank that
+            holds them (checked on the device and folded into the counts exchange: no extra sync).
+            Default False: a NaN token poisons only its own output rows.
+        timeout: seconds to wait for any one all-to-all before raising CollectiveError naming the
+            phase and chunk (None: the process group's timeout).
 
     Every rank of the group must call the same methods in the same order (they are collective),
     and must backpropagate through their outputs (the backward is collective too).
     """
 
     def __init__(self, num_experts: int, ep_group: Optional[dist.ProcessGroup] = None, num_chunks: int = 1,
-                 *, backend: str = "auto"):
+                 *, backend: str = "auto", strict: bool = False, timeout: Optional[float] = None):
         if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
             raise ValueError(f"num_experts must be an int >= 1, got {num_experts!r}")
         if num_chunks != "auto" and (isinstance(num_chunks, bool) or not isinstance(num_chunks, int)
@@ -128,8 +134,12 @@ class Dispatcher:
                              f"got world size {self.world_size}")
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.world_size
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout must be None or seconds > 0, got {timeout!r}")
         self.num_chunks = num_chunks
         self.backend = backend
+        self.strict = bool(strict)
+        self.timeout = timeout
         self.timeline = Timeline(rank=self.rank)  # disabled: records nothing until enabled
         self.plans: Dict[tuple, PipelinePlan] = {}  # num_chunks="auto": (H, dtype) -> plan
         self._auto_calls: Dict[tuple, int] = {}
@@ -151,29 +161,58 @@ class Dispatcher:
             raise ValueError(f"topk_idx_TK must be on x_TH's device {x_TH.device}, got {topk_idx_TK.device}")
 
     def _plan(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_chunks: int) -> DispatchHandle:
-        self._check_inputs(x_TH, topk_idx_TK)
         W, e, C = self.world_size, self.num_local_experts, num_chunks
         tl = self.timeline
-        with tl.compute("layout"):
-            layout = ops.make_layout(topk_idx_TK, self.num_experts, num_ranks=W, num_chunks=C, backend=self.backend)
-        # Row w of send goes to rank w: its counts for every chunk, then this rank's status word
-        # (invalid expert ids), so every rank learns of a bad input in the same exchange.
-        send_WX = torch.cat([layout.counts_CWe.permute(1, 0, 2).reshape(W, C * e),
-                             layout.num_invalid.reshape(1, 1).expand(W, 1)], dim=1)
+        # A rank whose input is rejected still joins the counts exchange (with zero counts and an
+        # error flag): every rank then raises, instead of the others hanging in the all-to-all.
+        local_error, layout = None, None
+        try:
+            self._check_inputs(x_TH, topk_idx_TK)
+            with tl.compute("layout"):
+                layout = ops.make_layout(topk_idx_TK, self.num_experts, num_ranks=W, num_chunks=C,
+                                         backend=self.backend)
+        except (TypeError, ValueError) as err:
+            local_error = err
+        device = x_TH.device if isinstance(x_TH, torch.Tensor) else torch.device("cpu")
+        if layout is None:
+            counts_CWe = torch.zeros(C, W, e, dtype=torch.int64, device=device)
+            status = torch.tensor([0, 0, 1], dtype=torch.int64, device=device)
+        else:
+            counts_CWe = layout.counts_CWe
+            nonfinite = (~torch.isfinite(x_TH)).any(1).sum() if self.strict else torch.zeros_like(layout.num_invalid)
+            status = torch.stack([layout.num_invalid, nonfinite, torch.zeros_like(nonfinite)]).to(torch.int64)
+        # Row w of send goes to rank w: its counts for every chunk, then this rank's status words
+        # (invalid expert ids, non-finite rows in strict mode, input rejected), so every rank learns
+        # of a bad input in the exchange that happens anyway, and all raise the same error.
+        send_WX = torch.cat([counts_CWe.permute(1, 0, 2).reshape(W, C * e),
+                             status.reshape(1, _STATUS).expand(W, _STATUS)], dim=1)
         t0 = tl.mark()
-        recv_WX = exchange_counts(send_WX, self.group)
+        recv_WX = exchange_counts(send_WX, self.group, timeout=self.timeout)
         host = torch.cat([send_WX.reshape(-1), recv_WX.reshape(-1)]).tolist()  # host sync: split sizes
         tl.comm("counts", None, start=t0)
-        X = C * e + 1
-        send = [host[w * X:(w + 1) * X] for w in range(W)]
-        recv = [host[(W + w) * X:(W + w + 1) * X] for w in range(W)]
-        bad = [w for w in range(W) if recv[w][-1] > 0]
+        X = C * e + _STATUS
+        send = [host[w * X:(w + 1) * X - _STATUS] for w in range(W)]
+        recv = [host[(W + w) * X:(W + w + 1) * X - _STATUS] for w in range(W)]
+        status_W = [host[(W + w + 1) * X - _STATUS:(W + w + 1) * X] for w in range(W)]
+        bad = [w for w in range(W) if status_W[w][2] > 0]
+        if bad:
+            if local_error is not None:
+                raise type(local_error)(f"{local_error} [EP rank {self.rank}; ranks {bad} rejected their "
+                                        "input, every rank raised, no tokens were sent]") from local_error
+            raise ValueError(f"EP rank(s) {bad} rejected their input (their error says why); every rank "
+                             "raised, no tokens were sent")
+        bad = [w for w in range(W) if status_W[w][0] > 0]
         if bad:
             raise ValueError(
                 f"topk_idx_TK holds expert ids outside [-1, {self.num_experts}) on EP rank(s) {bad} "
-                f"({', '.join(str(recv[w][-1]) for w in bad)} values); no tokens were sent")
-        layout.set_num_rows(sum(sum(s[:-1]) for s in send))
-        recv_counts_WCe = recv_WX[:, :-1].reshape(W, C, e)
+                f"({', '.join(str(status_W[w][0]) for w in bad)} values); no tokens were sent")
+        bad = [w for w in range(W) if status_W[w][1] > 0]
+        if bad:
+            raise ValueError(
+                f"x_TH holds non-finite (NaN/Inf) rows on EP rank(s) {bad} "
+                f"({', '.join(str(status_W[w][1]) for w in bad)} rows; strict=True); no tokens were sent")
+        layout.set_num_rows(sum(sum(s) for s in send))
+        recv_counts_WCe = recv_WX[:, :-_STATUS].reshape(W, C, e)
         chunks, offset = [], 0
         for c in range(C):
             send_W = [sum(send[w][c * e:(c + 1) * e]) for w in range(W)]

@@ -22,7 +22,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from .comm import all_to_all_v_async
+from .comm import all_to_all_v_async, wait_work
 from .kernels import select_backend
 
 __all__ = ["run_pipeline"]
@@ -49,9 +49,6 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _wait(work) -> None:
-    if work is not None:
-        work.wait()
 
 
 class _PipelinedExperts(torch.autograd.Function):
@@ -83,7 +80,7 @@ class _PipelinedExperts(torch.autograd.Function):
         for c, p in enumerate(chunks):
             if c + 1 < len(chunks):
                 issue_dispatch(c + 1)
-            _wait(work_d[c])
+            wait_work(work_d[c], "dispatch", c, timeout=d.timeout, rank=d.rank)
             with tl.compute("experts", chunk=c):
                 tokens_RH = recv[c] if p.expert_index_R is None else impl.permute_rows(recv[c], p.expert_index_R)
                 t0 = _now(x_NH.device) if run.measure else 0.0
@@ -105,8 +102,8 @@ class _PipelinedExperts(torch.autograd.Function):
                 w = all_to_all_v_async(dst, back_RH.contiguous(), p.send_splits_W, p.recv_splits_W, d.group)
                 tl.comm("combine", w, chunk=c, start=t0)
                 work_b.append(w)
-        for w in work_b:
-            _wait(w)
+        for c, w in enumerate(work_b):
+            wait_work(w, "combine", c, timeout=d.timeout, rank=d.rank)
         ctx.run = run
         return y_NH
 
@@ -138,7 +135,7 @@ class _PipelinedExperts(torch.autograd.Function):
         for c, p in enumerate(chunks):
             if c + 1 < len(chunks):
                 issue_grad_combine(c + 1)
-            _wait(work_g[c])
+            wait_work(work_g[c], "combine", c, timeout=d.timeout, rank=d.rank, direction="bwd")
             with tl.compute("experts", chunk=c, direction="bwd"):
                 g_RH = recv[c] if p.expert_index_R is None else impl.permute_rows(recv[c], p.expert_index_R)
                 t_in, out_RH = run.expert_io[c]
@@ -156,8 +153,8 @@ class _PipelinedExperts(torch.autograd.Function):
                 w = all_to_all_v_async(dst, g_in.contiguous(), p.send_splits_W, p.recv_splits_W, d.group)
                 tl.comm("dispatch", w, chunk=c, direction="bwd", start=t0)
                 work_x.append(w)
-        for w in work_x:
-            _wait(w)
+        for c, w in enumerate(work_x):
+            wait_work(w, "dispatch", c, timeout=d.timeout, rank=d.rank, direction="bwd")
         return grad_x_NH, None, None
 
 
