@@ -193,7 +193,8 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
     global_tokens = sum(rank_batch(args.batch, r, world_size) for r in range(world_size))
     n_rep = sum(p.numel() for p in replicated)
     n_exp = sum(p.numel() for p in experts)
-    log(f"moe_comm {moe_comm.__version__}: W={world_size} on {device.type} ({dist.get_backend() if world_size > 1 else 'no group'}), "
+    group = dist.get_backend() if world_size > 1 else "no group"
+    log(f"moe_comm {moe_comm.__version__}: W={world_size} on {device.type} ({group}), "
         f"{args.layers} layers, H={cfg.hidden_size}, F={cfg.ffn_hidden_size}, E={cfg.num_experts} "
         f"({cfg.num_experts // world_size}/rank), K={cfg.top_k}, tokens/step {global_tokens} "
         f"(rank 0: {T_r}); params/rank: {n_rep} replicated + {n_exp} expert")
@@ -254,6 +255,7 @@ def _spawned_rank(rank: int, world_size: int, init_method: str, args: argparse.N
         if rank == 0:
             with open(result_path, "w") as f:
                 json.dump(result, f)
+        dist.barrier()  # no rank tears down its gloo pairs while a peer still uses them
     finally:
         dist.destroy_process_group()
 
@@ -272,6 +274,7 @@ def _launched(args: argparse.Namespace) -> int:
                             **({"device_id": device} if device.type == "cuda" else {}))
     try:
         result = train(args, rank, world_size, device)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     return 0 if result["ok"] else 1

@@ -4,6 +4,7 @@ Shapes legend: T tokens (all leading dims of x flattened), H hidden, E experts, 
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import List, Optional
 
 import torch
@@ -17,6 +18,24 @@ from .experts import GroupedExperts, SwiGLU
 from .router import Router
 
 __all__ = ["MoELayer"]
+
+
+def _check_same_config(cfg: MoEConfig, dtype: torch.dtype, group) -> None:
+    """One all_gather_object of the config across the EP group; every rank raises on a mismatch,
+    naming the fields and which ranks hold which value (a mismatch would otherwise hang or corrupt)."""
+    mine = dict(dataclasses.asdict(cfg), dtype=str(dtype))
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    diffs = []
+    for name in mine:
+        values = [fp[name] for fp in every]
+        if len(set(map(repr, values))) > 1:
+            by_value = {}
+            for r, v in enumerate(values):
+                by_value.setdefault(repr(v), []).append(r)
+            diffs.append(f"{name}: " + ", ".join(f"{v} on ranks {rs}" for v, rs in by_value.items()))
+    if diffs:
+        raise ValueError("MoELayer: the MoEConfig differs across the EP group; " + "; ".join(diffs))
 
 
 class MoELayer(nn.Module):
@@ -54,6 +73,8 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoEConfig.num_experts ({cfg.num_experts}) must be divisible by the EP world "
                              f"size, got world size {W}")
         e = cfg.num_experts // W
+        if W > 1:
+            _check_same_config(cfg, dtype or torch.get_default_dtype(), self.ep_group)
         if seed is None:
             seed = int(torch.randint(0, 2 ** 62, ()).item())  # host sync: none, a CPU generator draw
         self.router = Router(cfg, device=device, dtype=dtype)
@@ -104,7 +125,7 @@ class MoELayer(nn.Module):
             raise TypeError(f"x must have the experts' dtype {self.experts.w1.dtype}, got {x.dtype}")
         if x.device != self.experts.w1.device:
             raise ValueError(f"x must be on the layer's device {self.experts.w1.device}, got {x.device}")
-        x_TH = x.reshape(-1, H)
+        x_TH = x.reshape(-1, H).contiguous()  # one layout for every view: the same bits as a contiguous x
         with self.timeline.compute("router"):
             routing = self.router(x_TH)
         self.aux_loss = routing.aux_loss

@@ -13,6 +13,12 @@ The experts' own backward runs as a nested ``torch.autograd.backward`` per chunk
 activation checkpointing does): any differentiable ``expert_fn`` gets correct gradients, which are
 accumulated into ``.grad`` of the leaves it uses. Consequently ``torch.autograd.grad(loss, params)``
 does not return expert-parameter gradients; use ``loss.backward()``.
+
+Determinism: the same inputs give bit-identical outputs and gradients run to run (fixed collective
+order, fixed-order slot sums, no atomics on CPU). Different chunk counts agree only to rounding: each
+expert's GEMM sees another row count M per chunk, BLAS picks M-dependent kernels that round a row
+differently (measured on the CPU build: 2 of 40 values of M), and weight gradients are summed chunk
+by chunk. cuBLAS behaves the same way.
 """
 from __future__ import annotations
 

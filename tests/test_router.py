@@ -246,7 +246,7 @@ def test_router_expert_bias_buffer_is_used():
 # ---------------------------------------------------------------------------------------------------
 # capacity
 # ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("cf", [0.5, 1.0, 1.25])
+@pytest.mark.parametrize("cf", [0.5, 1.0, 1.1, 1.25])  # 1.1: cf*T*K/E = 13.2, ceil matters
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
 def test_capacity_drops_lowest_score_slots(cf, score_func):
     T, E, K = 24, 4, 2

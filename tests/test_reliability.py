@@ -1,0 +1,197 @@
+"""Tier 2 (multi-rank gloo) and tier 1: bad input never hangs a group or corrupts state; faults surface
+within a timeout; results are deterministic.
+
+Every multi-rank call runs under the pool's timeout, so a hang fails the test instead of blocking CI.
+"""
+import multiprocessing
+import os
+import time
+
+import pytest
+import torch
+
+import moe_comm
+from moe_comm.comm import CollectiveError
+
+H = 8
+
+
+def _good(rank, E=4, T=6):
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(T, H, generator=g), torch.rand(T, E, generator=g).argsort(1)[:, :2]
+
+
+def _expect_error(fn, *args):
+    try:
+        fn(*args)
+    except (ValueError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _rank_bad_input(rank, world_size, bad_rank, kind):
+    d = moe_comm.Dispatcher(num_experts=4)
+    x, idx = _good(rank)
+    if rank == bad_rank:
+        if kind == "out_of_range":
+            idx[0, 0] = 7
+        elif kind == "shape":
+            idx = idx[:3]
+        elif kind == "dtype":
+            idx = idx.float()
+        elif kind == "nan":
+            x[2, 1] = float("nan")
+    if kind == "nan":
+        d = moe_comm.Dispatcher(num_experts=4, strict=True)
+    err = _expect_error(d.dispatch, x, idx)
+    # The group and the dispatcher stay usable: a good call right after succeeds on every rank.
+    x, idx = _good(rank)
+    out = d.dispatch(x, idx)
+    y = d.combine(out.tokens, torch.ones(idx.shape), out.handle)
+    torch.testing.assert_close(y, 2 * x)
+    return err
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("kind,needle", [("out_of_range", "outside [-1, 4)"), ("shape", "topk_idx_TK"),
+                                         ("dtype", "integer"), ("nan", "non-finite")])
+def test_bad_input_on_one_rank_raises_on_every_rank(ranks, world_size, kind, needle):
+    bad_rank = world_size - 1
+    errors = ranks(world_size).run(_rank_bad_input, bad_rank, kind, timeout=60)
+    assert all(e is not None for e in errors), errors
+    assert needle in errors[bad_rank]
+    for e in errors:
+        assert f"[{bad_rank}]" in e  # every rank names the offending rank
+
+
+def _rank_nan_isolation(rank, world_size):
+    """Same routing, one NaN row: every other row, on every rank and on the same experts, is bit-identical.
+
+    (At the layer level a NaN token's routing differs from its clean self, which changes the experts'
+    batch sizes; BLAS may then round other rows differently: on this CPU, 2 of 40 row counts M gave
+    different bits for x[:M] @ W vs (x @ W)[:M]. So the guarantee is stated for fixed routing.)"""
+    torch.manual_seed(0)
+    experts = moe_comm.GroupedExperts(2, H, 16, first_expert=2 * rank, seed=1)
+    d = moe_comm.Dispatcher(num_experts=4)
+    x, idx = _good(rank, T=10)
+    idx[:, 0] = 0  # every token shares expert 0 with the poisoned one
+    w = torch.rand(idx.shape, generator=torch.Generator().manual_seed(rank))
+    clean = d(x, idx, w, experts).detach()
+    x_bad = x.clone()
+    if rank == 0:
+        x_bad[4, 0] = float("nan")
+    dirty = d(x_bad, idx, w, experts).detach()
+    others = [t for t in range(10) if not (rank == 0 and t == 4)]
+    layer = moe_comm.MoELayer(moe_comm.MoEConfig(hidden_size=H, ffn_hidden_size=16, num_experts=4, top_k=2))
+    y = layer(x_bad).detach()
+    return (torch.equal(dirty[others], clean[others]), bool(torch.isnan(dirty[4]).all()) if rank == 0 else None,
+            bool(torch.isfinite(y[others]).all()))
+
+
+@pytest.mark.multirank
+def test_nan_token_poisons_only_its_own_rows(ranks):
+    res = ranks(2).run(_rank_nan_isolation)
+    assert all(same for same, _, _ in res)  # bit-identical elsewhere, on both ranks
+    assert res[0][1] is True
+    assert all(finite for _, _, finite in res)  # through the whole layer too (router included)
+
+
+def _rank_config_mismatch(rank, world_size):
+    cfg = moe_comm.MoEConfig(hidden_size=H, ffn_hidden_size=16 if rank == 0 else 32, num_experts=4, top_k=2)
+    try:
+        moe_comm.MoELayer(cfg)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.multirank
+def test_config_mismatch_raises_on_every_rank(ranks):
+    errors = ranks(2).run(_rank_config_mismatch)
+    for e in errors:
+        assert e is not None and "ffn_hidden_size" in e and "16 on ranks [0]" in e and "32 on ranks [1]" in e
+
+
+def _rank_determinism(rank, world_size):
+    out = []
+    for C in (1, 1, 3):
+        torch.manual_seed(0)
+        layer = moe_comm.MoELayer(moe_comm.MoEConfig(hidden_size=H, ffn_hidden_size=16, num_experts=4, top_k=2,
+                                                     num_chunks=C), seed=5)
+        x, _ = _good(rank, T=9)
+        x.requires_grad_(True)
+        y = layer(x)
+        y.square().sum().backward()
+        out.append([y.detach(), x.grad] + [p.grad for p in layer.parameters()])
+    return out
+
+
+@pytest.mark.multirank
+def test_bit_identical_run_to_run(ranks):
+    for run1, run2, chunked in ranks(2).run(_rank_determinism):
+        assert all(torch.equal(a, b) for a, b in zip(run1, run2))
+        # Across chunk counts the experts' GEMMs see other row counts M; CPU BLAS rounds a row
+        # differently for some M (measured: 2 of 40), and weight gradients are summed per chunk.
+        # So chunked results agree to rounding, not bitwise (documented in moe_comm/pipeline.py).
+        assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(run1, chunked))
+
+
+def test_non_contiguous_input_gives_the_same_result():
+    """Tier 1: a transposed view and a strided slice are accepted and give the contiguous result."""
+    torch.manual_seed(0)
+    layer = moe_comm.MoELayer(moe_comm.MoEConfig(hidden_size=H, ffn_hidden_size=16, num_experts=4, top_k=2))
+    x = torch.randn(H, 12).t()  # non-contiguous [12, H]
+    assert not x.is_contiguous()
+    torch.testing.assert_close(layer(x), layer(x.contiguous()), rtol=0, atol=0)
+    x2 = torch.randn(24, H)[::2]
+    torch.testing.assert_close(layer(x2), layer(x2.contiguous()), rtol=0, atol=0)
+
+
+# ---- faults: a dead or stuck peer becomes a CollectiveError on the survivors ------------------------
+
+def _fault_rank(rank, world_size, init_file, mode, q):
+    import datetime
+
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))
+    d = moe_comm.Dispatcher(num_experts=2, timeout=3.0)
+    x, idx = _good(rank, E=2, T=5)
+
+    def expert_fn(tokens, counts):
+        if rank == 1:
+            if mode == "die":
+                os._exit(1)
+            time.sleep(30)  # stuck
+        return tokens * 2
+
+    t0 = time.perf_counter()
+    try:
+        d(x, idx, torch.ones(idx.shape), expert_fn)
+        q.put((rank, "no error", time.perf_counter() - t0))
+    except CollectiveError as e:
+        q.put((rank, str(e), time.perf_counter() - t0))
+    q.close()
+    q.join_thread()  # flush the queue's feeder thread before the hard exit
+    os._exit(0)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("mode", ["die", "stuck"])
+def test_dead_or_stuck_peer_raises_within_timeout(tmp_path, mode):
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_fault_rank, args=(r, 2, str(tmp_path / "store"), mode, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        rank, msg, elapsed = q.get(timeout=60)
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+    assert rank == 0
+    assert "combine of chunk 0" in msg and "EP rank 0" in msg, msg
+    assert elapsed < 3.0 + 5.0  # the timeout plus a margin for process scheduling
