@@ -63,8 +63,10 @@ def _as_bytes(x_RH: torch.Tensor) -> torch.Tensor:
     return x_RH.contiguous().view(torch.uint8).reshape(x_RH.shape[0], row_bytes)
 
 
-def _a2a_raw(x_RH: torch.Tensor, out_splits: List[int], in_splits: List[int], group) -> torch.Tensor:
-    out_RH = x_RH.new_empty((sum(out_splits),) + tuple(x_RH.shape[1:]))
+def _a2a_raw(x_RH: torch.Tensor, out_splits: List[int], in_splits: List[int], group,
+             out_RH: Optional[torch.Tensor] = None) -> torch.Tensor:
+    if out_RH is None:
+        out_RH = x_RH.new_empty((sum(out_splits),) + tuple(x_RH.shape[1:]))
     if x_RH.shape[1:].numel() == 0:
         return out_RH  # zero-width rows: nothing to move, every rank skips alike (H is shared)
     dist.all_to_all_single(_as_bytes(out_RH), _as_bytes(x_RH), out_splits, in_splits, group=group)
@@ -73,19 +75,19 @@ def _a2a_raw(x_RH: torch.Tensor, out_splits: List[int], in_splits: List[int], gr
 
 class _AllToAllV(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_RH, out_splits, in_splits, group):
+    def forward(ctx, x_RH, out_splits, in_splits, group, out_RH):
         ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _a2a_raw(x_RH, out_splits, in_splits, group)
+        return _a2a_raw(x_RH, out_splits, in_splits, group, out_RH)
 
     @staticmethod
     def backward(ctx, grad_RH):
         out_splits, in_splits = ctx.splits
         # The gradient flows back along the reverse route: swap the split lists.
-        return _a2a_raw(grad_RH, in_splits, out_splits, ctx.group), None, None, None
+        return _a2a_raw(grad_RH, in_splits, out_splits, ctx.group), None, None, None, None
 
 
 def all_to_all_v(x_RH: torch.Tensor, out_splits: List[int], in_splits: List[int],
-                 group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+                 group: Optional[dist.ProcessGroup], out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Differentiable all-to-all with uneven splits.
 
     Args:
@@ -93,11 +95,12 @@ def all_to_all_v(x_RH: torch.Tensor, out_splits: List[int], in_splits: List[int]
         out_splits: rows received from each rank (host ints, length W).
         in_splits: rows sent to each rank (host ints, length W).
         group: process group; None means W = 1 (the input is returned as is).
+        out: optional contiguous [sum(out_splits), ...] buffer to receive into (a workspace).
     Returns: [sum(out_splits), ...] rows ordered by source rank.
     """
     if group is None or group_size(group) == 1:
         return x_RH
-    return _AllToAllV.apply(x_RH, list(out_splits), list(in_splits), group)
+    return _AllToAllV.apply(x_RH, list(out_splits), list(in_splits), group, out)
 
 
 def exchange_counts(send_WX: torch.Tensor, group: Optional[dist.ProcessGroup], *,

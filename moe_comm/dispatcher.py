@@ -21,6 +21,7 @@ from .comm import all_to_all_v, exchange_counts, group_rank, group_size, resolve
 from .autochunk import PipelinePlan, choose_num_chunks, measure_alpha_beta
 from .layout import Layout
 from .profiling import Timeline
+from .workspace import Workspace
 
 __all__ = ["Dispatcher", "DispatchOutput", "DispatchHandle", "ChunkPlan"]
 
@@ -141,6 +142,7 @@ class Dispatcher:
         self.strict = bool(strict)
         self.timeout = timeout
         self.timeline = Timeline(rank=self.rank)  # disabled: records nothing until enabled
+        self.workspace = Workspace()  # persistent buffers for the dispatch path's temporaries
         self.plans: Dict[tuple, PipelinePlan] = {}  # num_chunks="auto": (H, dtype) -> plan
         self._auto_calls: Dict[tuple, int] = {}
 
@@ -229,16 +231,25 @@ class Dispatcher:
             offset += sum(send_W)
         return DispatchHandle(layout=layout, chunks=chunks, call_id=next(_call_ids), hidden_size=x_TH.shape[1])
 
+    def _send_buffer(self, x_TH: torch.Tensor, handle: DispatchHandle) -> Optional[torch.Tensor]:
+        """Workspace rows for the permuted send buffer (W > 1: the all-to-all consumes it at once)."""
+        if self.world_size == 1:
+            return None  # with one rank the permuted rows are the experts' input: keep them fresh
+        return self.workspace.rows("send", handle.layout.num_rows, x_TH.shape[1], x_TH)
+
     # ---------------------------------------------------------------- per-chunk moves
     def _send(self, x_NH: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
-        recv_RH = all_to_all_v(x_NH, plan.recv_splits_W, plan.send_splits_W, self.group)
-        if plan.expert_index_R is None:
-            return recv_RH
+        if plan.expert_index_R is None:  # the received rows are the result: a fresh buffer
+            return all_to_all_v(x_NH, plan.recv_splits_W, plan.send_splits_W, self.group)
+        # Received rows are only regrouped: receive into the workspace, regroup into a fresh tensor.
+        recv_RH = all_to_all_v(x_NH, plan.recv_splits_W, plan.send_splits_W, self.group,
+                               out=self.workspace.rows("recv", plan.num_recv, x_NH.shape[1], x_NH))
         return ops.gather_rows(recv_RH, plan.expert_index_R, plan.source_index_R, backend=self.backend)
 
     def _return(self, y_RH: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
         if plan.expert_index_R is not None:
-            y_RH = ops.gather_rows(y_RH, plan.source_index_R, plan.expert_index_R, backend=self.backend)
+            y_RH = ops.gather_rows(y_RH, plan.source_index_R, plan.expert_index_R, backend=self.backend,
+                                   out=self.workspace.rows("back", plan.num_recv, y_RH.shape[1], y_RH))
         return all_to_all_v(y_RH, plan.send_splits_W, plan.recv_splits_W, self.group)
 
     # ---------------------------------------------------------------- public API
@@ -253,7 +264,8 @@ class Dispatcher:
         """
         handle = self._plan(x_TH, topk_idx_TK, num_chunks=1)
         plan = handle.chunks[0]
-        tokens_RH = self._send(ops.permute(x_TH, handle.layout, backend=self.backend), plan)
+        send = self._send_buffer(x_TH, handle)
+        tokens_RH = self._send(ops.permute(x_TH, handle.layout, backend=self.backend, out=send), plan)
         return DispatchOutput(tokens=tokens_RH, tokens_per_expert=plan.tokens_per_expert_e, handle=handle)
 
     def combine(self, expert_out_RH: torch.Tensor, topk_weight_TK: torch.Tensor,
@@ -318,7 +330,7 @@ class Dispatcher:
         tl = self.timeline
         handle = self._plan(x_TH, topk_idx_TK, num_chunks=C)
         with tl.compute("permute"):
-            x_NH = ops.permute(x_TH, handle.layout, backend=self.backend)
+            x_NH = ops.permute(x_TH, handle.layout, backend=self.backend, out=self._send_buffer(x_TH, handle))
         y_NH, side_out, expert_s = run_pipeline(self, handle, x_NH, expert_fn, side_fn, measure=measure)
         if measure:
             self._make_plan(x_TH, handle, expert_s, expert_fn)

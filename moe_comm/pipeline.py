@@ -49,6 +49,19 @@ class _Run:
     expert_io: List = field(default_factory=list)  # per chunk: (tokens_in_RH leaf, out_RH)
 
 
+def _chunk_regions(d, chunks, like: torch.Tensor, name: str) -> list:
+    """Disjoint [R_c, H] workspace views, one per chunk (None for W = 1: nothing is received)."""
+    if d.world_size == 1:
+        return [None] * len(chunks)
+    total = sum(p.num_recv for p in chunks)
+    buf = d.workspace.rows(name, total, like.shape[1], like)
+    regions, start = [], 0
+    for p in chunks:
+        regions.append(buf.narrow(0, start, p.num_recv))
+        start += p.num_recv
+    return regions
+
+
 def _now(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # host sync: only while measuring for num_chunks="auto"
@@ -67,6 +80,9 @@ class _PipelinedExperts(torch.autograd.Function):
         x_NH = x_NH.contiguous()
         y_NH = torch.empty_like(x_NH)
         recv, work_d, work_b = [None] * len(chunks), [None] * len(chunks), []
+        # Rows that are only regrouped (received, sent back) live in the workspace, one region per
+        # chunk since several chunks are in flight at once.
+        recv_ws, back_ws = _chunk_regions(d, chunks, x_NH, "recv"), _chunk_regions(d, chunks, x_NH, "back")
 
         def issue_dispatch(c: int) -> None:
             p = chunks[c]
@@ -74,7 +90,7 @@ class _PipelinedExperts(torch.autograd.Function):
             if d.world_size == 1:
                 recv[c] = src  # single rank: the rows are already here
                 return
-            recv[c] = x_NH.new_empty(p.num_recv, x_NH.shape[1])
+            recv[c] = x_NH.new_empty(p.num_recv, x_NH.shape[1]) if p.expert_index_R is None else recv_ws[c]
             t0 = tl.mark()
             work_d[c] = all_to_all_v_async(recv[c], src, p.recv_splits_W, p.send_splits_W, d.group)
             tl.comm("dispatch", work_d[c], chunk=c, start=t0)
@@ -99,7 +115,7 @@ class _PipelinedExperts(torch.autograd.Function):
                     run.expert_io.append((t_in, out_RH))
                 back_RH = out_RH.detach()
                 if p.expert_index_R is not None:
-                    back_RH = impl.permute_rows(back_RH.contiguous(), p.source_index_R)
+                    back_RH = impl.permute_rows(back_RH.contiguous(), p.source_index_R, out=back_ws[c])
             dst = y_NH.narrow(0, p.row_offset, p.num_rows)
             if d.world_size == 1:
                 dst.copy_(back_RH)
@@ -124,6 +140,8 @@ class _PipelinedExperts(torch.autograd.Function):
         grad_y_NH = grad_y_NH.contiguous()
         grad_x_NH = torch.empty_like(grad_y_NH)
         recv, work_g, work_x = [None] * len(chunks), [None] * len(chunks), []
+        recv_ws = _chunk_regions(d, chunks, grad_y_NH, "grad_recv")
+        back_ws = _chunk_regions(d, chunks, grad_y_NH, "grad_back")
 
         def issue_grad_combine(c: int) -> None:
             # The gradient of combine goes the dispatch way: to the ranks that hold the experts.
@@ -132,7 +150,7 @@ class _PipelinedExperts(torch.autograd.Function):
             if d.world_size == 1:
                 recv[c] = src
                 return
-            recv[c] = grad_y_NH.new_empty(p.num_recv, grad_y_NH.shape[1])
+            recv[c] = recv_ws[c]  # regrouped below (or, unregrouped, read by the expert backward only)
             t0 = tl.mark()
             work_g[c] = all_to_all_v_async(recv[c], src, p.recv_splits_W, p.send_splits_W, d.group)
             tl.comm("combine", work_g[c], chunk=c, direction="bwd", start=t0)
@@ -149,7 +167,7 @@ class _PipelinedExperts(torch.autograd.Function):
                     torch.autograd.backward([out_RH], [g_RH.to(out_RH.dtype)])
                 g_in = t_in.grad if t_in.grad is not None else torch.zeros_like(t_in)
                 if p.expert_index_R is not None:
-                    g_in = impl.permute_rows(g_in.contiguous(), p.source_index_R)
+                    g_in = impl.permute_rows(g_in.contiguous(), p.source_index_R, out=back_ws[c])
                 run.expert_io[c] = None  # free the chunk's activations
             dst = grad_x_NH.narrow(0, p.row_offset, p.num_rows)
             if d.world_size == 1:

@@ -29,14 +29,14 @@ def _check_rows(name: str, t: torch.Tensor, rows: int, dim_name: str) -> None:
 
 class _Permute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TH, layout: Layout, backend: str):
+    def forward(ctx, x_TH, layout: Layout, backend: str, out):
         ctx.layout, ctx.backend = layout, backend
-        return select_backend(backend, x_TH.device).permute_rows(x_TH.contiguous(), layout.token_N)
+        return select_backend(backend, x_TH.device).permute_rows(x_TH.contiguous(), layout.token_N, out=out)
 
     @staticmethod
     def backward(ctx, grad_NH):
         impl = select_backend(ctx.backend, grad_NH.device)
-        return impl.unpermute_rows(grad_NH.contiguous(), ctx.layout.dest_row_TK), None, None
+        return impl.unpermute_rows(grad_NH.contiguous(), ctx.layout.dest_row_TK), None, None, None
 
 
 class _Unpermute(torch.autograd.Function):
@@ -66,19 +66,20 @@ class _Unpermute(torch.autograd.Function):
 
 class _GatherRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_RH, index_R, inverse_R, backend: str):
+    def forward(ctx, x_RH, index_R, inverse_R, backend: str, out):
         ctx.save_for_backward(inverse_R)
         ctx.backend = backend
-        return select_backend(backend, x_RH.device).permute_rows(x_RH.contiguous(), index_R)
+        return select_backend(backend, x_RH.device).permute_rows(x_RH.contiguous(), index_R, out=out)
 
     @staticmethod
     def backward(ctx, grad_RH):
         (inverse_R,) = ctx.saved_tensors
         impl = select_backend(ctx.backend, grad_RH.device)
-        return impl.permute_rows(grad_RH.contiguous(), inverse_R), None, None, None
+        return impl.permute_rows(grad_RH.contiguous(), inverse_R), None, None, None, None
 
 
-def permute(x_TH: torch.Tensor, layout: Layout, *, backend: str = "auto") -> torch.Tensor:
+def permute(x_TH: torch.Tensor, layout: Layout, *, backend: str = "auto",
+            out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Copy token rows into routed order: row n of the result is token ``layout.token_N[n]``.
 
     Args:
@@ -86,13 +87,17 @@ def permute(x_TH: torch.Tensor, layout: Layout, *, backend: str = "auto") -> tor
         layout: from ``make_layout``; rows are grouped by (chunk, dest rank, local expert),
             stable in token order. Dropped slots (-1) get no row.
         backend: "auto" | "triton" | "native" | "torch"; all give bit-identical results.
-    Returns: x_NH [N, H], same dtype. Differentiable w.r.t. x.
+        out: optional [N, H] buffer to write into (e.g. a persistent workspace: no page faults).
+    Returns: x_NH [N, H], same dtype (``out`` when given). Differentiable w.r.t. x.
     Example:
         x_TH = [[a], [b]], topk_idx_TK = [[1, 0], [0, -1]], E = 2
         -> [[a], [b], [a]]   (expert 0: token 0 then token 1; expert 1: token 0)
     """
     _check_rows("x_TH", x_TH, layout.num_tokens, "T")
-    return _Permute.apply(x_TH, layout, backend)
+    if out is not None and (tuple(out.shape) != (layout.num_rows, x_TH.shape[1]) or out.dtype != x_TH.dtype):
+        raise ValueError(f"out must be [N, H] = [{layout.num_rows}, {x_TH.shape[1]}] of dtype {x_TH.dtype}, "
+                         f"got {list(out.shape)} of {out.dtype}")
+    return _Permute.apply(x_TH, layout, backend, out)
 
 
 def unpermute(y_NH: torch.Tensor, layout: Layout, topk_weight_TK: Optional[torch.Tensor] = None, *,
@@ -125,10 +130,10 @@ def unpermute(y_NH: torch.Tensor, layout: Layout, topk_weight_TK: Optional[torch
 
 
 def gather_rows(x_RH: torch.Tensor, index_R: torch.Tensor, inverse_R: torch.Tensor, *,
-                backend: str = "auto") -> torch.Tensor:
+                backend: str = "auto", out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x_RH[index_R]`` for a permutation ``index_R`` whose inverse is ``inverse_R``.
 
     Used to regroup received rows between (source rank, expert) and expert-major order; the
     backward is the inverse gather. Example: index_R = [2, 0, 1], inverse_R = [1, 2, 0].
     """
-    return _GatherRows.apply(x_RH, index_R, inverse_R, backend)
+    return _GatherRows.apply(x_RH, index_R, inverse_R, backend, out)

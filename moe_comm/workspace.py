@@ -1,0 +1,41 @@
+"""Workspace: persistent row buffers that temporaries of the dispatch path are written into.
+
+Writing into memory already touched is ~7x faster on CPU than into a fresh allocation (measured here:
+memcpy 34 GB/s vs 5 GB/s into new pages; glibc maps allocations over 32 MB fresh every time). Only
+pure temporaries live here — rows nobody keeps after the call (the send buffer of an all-to-all, the
+receive buffer before regrouping, the regrouped-back rows before the combine all-to-all). Outputs
+returned to the user and tensors saved for backward are always fresh allocations.
+"""
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+
+__all__ = ["Workspace"]
+
+
+class Workspace:
+    """Named, growable buffers; ``rows(name, n, width, like)`` is a [n, width] view of buffer ``name``.
+
+    A name must not be used for two live temporaries at once; the caller picks distinct names.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: Dict[Tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def rows(self, name: str, num_rows: int, width: int, like: torch.Tensor) -> torch.Tensor:
+        key = (name, like.dtype, like.device)
+        numel = num_rows * width
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < numel:
+            # 25% headroom: routing varies call to call; avoid regrowing on every small increase.
+            buf = torch.empty(int(numel * 1.25) + 1, dtype=like.dtype, device=like.device)
+            self._bufs[key] = buf
+        return buf[:numel].view(num_rows, width)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._bufs.values())
+
+    def clear(self) -> None:
+        self._bufs.clear()
