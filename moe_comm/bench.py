@@ -17,7 +17,7 @@ import torch.distributed as dist
 from .comm import all_to_all_v
 from .dispatcher import Dispatcher
 
-__all__ = ["BenchPoint", "measure_dispatch", "self_check_dispatch", "payload"]
+__all__ = ["BenchPoint", "measure_dispatch", "self_check_dispatch", "payload", "bench_rank", "grid_points"]
 
 
 @dataclass
@@ -38,6 +38,12 @@ class BenchPoint:
     dispatch_vs_raw: float    # raw time / dispatch time (1.0 = as fast as the transport)
     combine_vs_raw: float
     tokens_per_s: float       # tokens through dispatch + combine per second, per rank
+    end_to_end_vs_raw: float = 0.0   # 2 * raw / (dispatch + combine)
+    bytes_per_pair: int = 0          # dispatch_bytes / W: the mean message per rank pair
+    num_chunks: int = 1
+    workload: str = "uniform"
+    layer_step_s: float = 0.0        # pipelined layer forward + backward with num_chunks (0: not measured)
+    phases_s: Dict[str, float] = None  # layout, permute, counts, a2a, regroup, unpermute (slowest rank)
 
     def as_dict(self) -> Dict:
         return asdict(self)
@@ -107,28 +113,111 @@ def self_check_dispatch(dispatcher: Dispatcher, routing_of: Callable[[int], torc
 
 def measure_dispatch(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor,
                      dispatcher: Dispatcher, repeats: int = 10, warmup: int = 2) -> BenchPoint:
-    """Time dispatch, combine and the raw all-to-all of the same bytes (collective over the group)."""
+    """Time dispatch, combine, the raw all-to-all of the same bytes, and each phase on its own
+    (collective over the group; every rank must call it with its own inputs)."""
+    from . import ops
+    from .comm import exchange_counts
+
     group = dispatcher.group
     out = dispatcher.dispatch(x_TH, topk_idx_TK)
-    plan = out.handle.chunks[0]
-    x_NH = x_TH.new_empty(plan.num_rows, x_TH.shape[1])
-    d_s, c_s, r_s = [], [], []
+    handle = out.handle
+    plan = handle.chunks[0]
+    H = x_TH.shape[1]
+    x_NH = ops.permute(x_TH, handle.layout)
+    raw_out = x_TH.new_empty(plan.num_recv, H)  # the transport's best case: a buffer already touched
+    W = dist.get_world_size(group) if group is not None else 1
+    counts = torch.zeros(W, dispatcher.num_local_experts + 3, dtype=torch.int64)
+    y_RH = out.tokens.clone()
+    phases = {
+        "layout": lambda: ops.make_layout(topk_idx_TK, dispatcher.num_experts, num_ranks=W),
+        "permute": lambda: ops.permute(x_TH, handle.layout, out=dispatcher.workspace.rows("send", plan.num_rows, H, x_TH)),
+        "counts": lambda: exchange_counts(counts, group),
+        "a2a": lambda: _raw(x_NH, raw_out, plan, group),
+        "regroup": lambda: (ops.gather_rows(raw_out, plan.expert_index_R, plan.source_index_R)
+                            if plan.expert_index_R is not None else None),
+        "unpermute": lambda: ops.unpermute(x_NH, handle.layout, topk_weight_TK),
+    }
+    samples = {k: [] for k in ("dispatch", "combine", *phases)}
     for i in range(warmup + repeats):
         holder = {}
         td = _timed(lambda: holder.setdefault("out", dispatcher.dispatch(x_TH, topk_idx_TK)), group)
         o = holder["out"]
-        tc = _timed(lambda: dispatcher.combine(o.tokens, topk_weight_TK, o.handle), group)
-        tr = _timed(lambda: all_to_all_v(x_NH, plan.recv_splits_W, plan.send_splits_W, group), group)
+        tc = _timed(lambda: dispatcher.combine(y_RH, topk_weight_TK, o.handle), group)
+        times = {"dispatch": td, "combine": tc}
+        for name, fn in phases.items():
+            times[name] = _timed(fn, group)
         if i >= warmup:
-            d_s.append(td)
-            c_s.append(tc)
-            r_s.append(tr)
-    d, c, r = (_slowest_median(s, group) for s in (d_s, c_s, r_s))
-    nbytes = plan.num_rows * x_TH.shape[1] * x_TH.element_size()
-    W = dist.get_world_size(group)
+            for k, v in times.items():
+                samples[k].append(v)
+    med = {k: _slowest_median(v, group) for k, v in samples.items()}
+    d, c, r = med["dispatch"], med["combine"], med["a2a"]
+    nbytes = plan.num_rows * H * x_TH.element_size()
     T = x_TH.shape[0]
-    return BenchPoint(world_size=W, tokens=T, hidden=x_TH.shape[1], experts=dispatcher.num_experts,
+    return BenchPoint(world_size=W, tokens=T, hidden=H, experts=dispatcher.num_experts,
                       top_k=topk_idx_TK.shape[1], dtype=str(x_TH.dtype).replace("torch.", ""),
                       dispatch_bytes=nbytes, dispatch_s=d, combine_s=c, raw_a2a_s=r,
                       dispatch_gbps=nbytes / d / 1e9, combine_gbps=nbytes / c / 1e9, raw_gbps=nbytes / r / 1e9,
-                      dispatch_vs_raw=r / d, combine_vs_raw=r / c, tokens_per_s=T / (d + c))
+                      dispatch_vs_raw=r / d, combine_vs_raw=r / c, tokens_per_s=T / (d + c),
+                      end_to_end_vs_raw=2 * r / (d + c), bytes_per_pair=nbytes // max(W, 1),
+                      phases_s={k: med[k] for k in phases})
+
+
+def _raw(x_NH, out_RH, plan, group):
+    from .comm import all_to_all_v_async, wait_work
+
+    wait_work(all_to_all_v_async(out_RH, x_NH, plan.recv_splits_W, plan.send_splits_W, group), "raw a2a")
+
+
+def grid_points(opts: Dict) -> List[Dict]:
+    """Cartesian product of the list-valued options (tokens, hidden, top_k, experts, chunks, dtype, workload)."""
+    import itertools
+
+    keys = ("tokens", "hidden", "top_k", "experts", "chunks", "dtype", "workload")
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(opts[k] for k in keys))]
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def bench_rank(rank: int, world_size: int, opts: Dict) -> List[Dict]:
+    """Run every grid point on this rank (collective); returns the points (rank 0's view)."""
+    from .config import MoEConfig
+    from .layer import MoELayer
+    from .workloads import make_workload
+
+    points = grid_points(opts)
+    progress = None
+    if rank == 0 and opts.get("progress", True):
+        from rich.progress import Progress
+        progress = Progress(transient=True)
+        progress.start()
+        task = progress.add_task(f"moe-comm bench, {world_size} ranks", total=len(points))
+    results = []
+    try:
+        for pt in points:
+            T, H, K, E = pt["tokens"], pt["hidden"], pt["top_k"], pt["experts"]
+            dtype = _DTYPES[pt["dtype"]]
+            g = torch.Generator().manual_seed(1000 * rank + 7)
+            x = torch.randn(T, H, generator=g).to(dtype)
+            idx = make_workload(pt["workload"])(T, E, K, seed=opts.get("seed", 0) * 1000 + rank)
+            w = torch.rand(T, K, generator=g)
+            d = Dispatcher(num_experts=E)
+            point = measure_dispatch(x, idx, w, d, repeats=opts.get("repeats", 10))
+            point.num_chunks = pt["chunks"]
+            point.workload = pt["workload"]
+            if opts.get("layer", True):
+                cfg = MoEConfig(hidden_size=H, ffn_hidden_size=opts.get("ffn", 256), num_experts=E, top_k=K,
+                                num_chunks=pt["chunks"])
+                layer = MoELayer(cfg, seed=1, dtype=dtype)
+                xs = x[: min(T, opts.get("layer_tokens", 1024))].clone().requires_grad_(True)
+                times = []
+                for i in range(3):
+                    times.append(_timed(lambda: layer(xs).float().square().mean().backward(), d.group))
+                point.layer_step_s = _slowest_median(times[1:], d.group)
+            results.append(point.as_dict())
+            if progress is not None:
+                progress.advance(task)
+    finally:
+        if progress is not None:
+            progress.stop()
+    return results

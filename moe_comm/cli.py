@@ -1,4 +1,11 @@
-"""`moe-comm` command line: `moe-comm demo` (the README's main job)."""
+"""`moe-comm` command line.
+
+  moe-comm demo      the README's main job: a 4-rank CPU dispatch demo
+  moe-comm bench     dispatch/combine throughput over a grid, next to the raw all-to-all of the same bytes
+  moe-comm profile   run a layer with the timeline on and diagnose where a step's time goes
+
+Exit codes: 0 success, 1 a run failed, 2 bad command-line input.
+"""
 from __future__ import annotations
 
 import argparse
@@ -87,6 +94,142 @@ def cmd_demo(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(v: str) -> List[int]:
+    try:
+        out = [int(x) for x in v.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {v!r}") from None
+    if not out or any(x < 1 for x in out):
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {v!r}")
+    return out
+
+
+def _str_list(v: str) -> List[str]:
+    return [x for x in v.split(",") if x]
+
+
+def _fail(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _check_bench_args(ns) -> Optional[str]:
+    import os
+
+    from .workloads import WORKLOADS
+
+    limit = 4 * (os.cpu_count() or 1)
+    if ns.world_size > limit:
+        return (f"--world-size {ns.world_size} is more ranks than this machine can spawn sensibly "
+                f"({os.cpu_count()} cores; at most {limit}); use torchrun across machines")
+    for w in ns.workload:
+        if w not in WORKLOADS:
+            return f"--workload {w!r} is unknown; choose from {', '.join(WORKLOADS)}"
+    for dt in ns.dtype:
+        if dt not in ("float32", "bfloat16", "float16"):
+            return f"--dtype {dt!r} is unknown; choose from float32, bfloat16, float16"
+    for E in ns.experts:
+        if E % ns.world_size:
+            return f"--experts {E} must be divisible by --world-size {ns.world_size}"
+        for K in ns.top_k:
+            if K > E:
+                return f"--top-k {K} must be <= --experts {E}"
+    return None
+
+
+def _relaunch_on_link(argv: List[str], link: str) -> int:
+    """Run this same command (without --link) inside a fresh namespace with a rate-limited loopback."""
+    from .slow_link import run_on_slow_link
+
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--link":
+            skip = True
+            continue
+        if a.startswith("--link="):
+            continue
+        rest.append(a)
+    try:
+        return run_on_slow_link([sys.executable, "-m", "moe_comm.cli"] + rest, rate=link)
+    except (RuntimeError, ValueError) as e:
+        return _fail(f"--link {link}: {e}")
+
+
+def _print_bench(points: List[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="moe-comm bench: dispatch/combine vs the raw all_to_all_single of the same bytes "
+                    "(slowest rank, medians)")
+    cols = ("W", "T", "H", "K", "E", "C", "dtype", "workload", "KiB/pair", "disp GB/s", "comb GB/s", "raw GB/s",
+            "e2e/raw", "tok/s", "layout", "permute", "counts", "a2a", "regroup", "unperm", "layer ms")
+    for c in cols:
+        t.add_column(c, justify="right")
+    for p in points:
+        ph = p["phases_s"]
+        t.add_row(str(p["world_size"]), str(p["tokens"]), str(p["hidden"]), str(p["top_k"]), str(p["experts"]),
+                  str(p["num_chunks"]), p["dtype"], p["workload"], f"{p['bytes_per_pair'] / 1024:.0f}",
+                  f"{p['dispatch_gbps']:.2f}", f"{p['combine_gbps']:.2f}", f"{p['raw_gbps']:.2f}",
+                  f"{p['end_to_end_vs_raw']:.2f}", f"{p['tokens_per_s']:.0f}",
+                  *(f"{ph[k] * 1e3:.2f}" for k in ("layout", "permute", "counts", "a2a", "regroup", "unpermute")),
+                  f"{p['layer_step_s'] * 1e3:.1f}" if p["layer_step_s"] else "-")
+    t.caption = ("e2e/raw = 2 x raw a2a time / (dispatch + combine time); phase columns in ms, each timed on its "
+                 "own; layer ms = pipelined MoELayer forward+backward with C chunks")
+    Console(width=220).print(t)
+
+
+def _plot_bench(points: List[dict], path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("error: --plot needs matplotlib: pip install 'moe_comm[plot]'")
+    pts = sorted(points, key=lambda p: p["bytes_per_pair"])
+    x = [p["bytes_per_pair"] / 2 ** 20 for p in pts]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ax.plot(x, [p["raw_gbps"] for p in pts], "k--o", label="raw all_to_all_single (same bytes)")
+    ax.plot(x, [p["dispatch_gbps"] for p in pts], "-o", label="moe_comm dispatch")
+    ax.plot(x, [p["combine_gbps"] for p in pts], "-s", label="moe_comm combine")
+    ax.set_xscale("log")
+    ax.set_xlabel("message per rank pair (MiB)")
+    ax.set_ylabel("GB/s (bytes leaving a rank / time)")
+    ax.set_title(f"Dispatch throughput vs message size, {pts[0]['world_size']} ranks" if pts else "no points")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def cmd_bench(ns: argparse.Namespace) -> int:
+    from .bench import bench_rank
+    from .launch import run_ranks
+
+    err = _check_bench_args(ns)
+    if err:
+        return _fail(err)
+    if ns.link:
+        return _relaunch_on_link(sys.argv[1:] if ns.argv is None else ns.argv, ns.link)
+    opts = {"tokens": ns.tokens, "hidden": ns.hidden, "top_k": ns.top_k, "experts": ns.experts,
+            "chunks": ns.chunks, "dtype": ns.dtype, "workload": ns.workload, "repeats": ns.repeats,
+            "ffn": ns.ffn, "layer": not ns.no_layer, "seed": ns.seed, "progress": not ns.quiet}
+    points = run_ranks(bench_rank, ns.world_size, opts)
+    if not points:
+        print("error: the ranks returned no results", file=sys.stderr)
+        return 1
+    _print_bench(points)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump({"command": "bench", "options": opts, "points": points}, f, indent=2)
+    if ns.plot:
+        _plot_bench(points, ns.plot)
+    return 0
+
+
 def _positive(v: str) -> int:
     n = int(v)
     if n < 1:
@@ -109,11 +252,36 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0, help="routing seed")
     d.add_argument("--json", default=None, help="also write the figures to this JSON file")
     d.set_defaults(func=cmd_demo)
+
+    b = sub.add_parser("bench", help="dispatch/combine throughput over a grid vs the raw all-to-all of the same bytes",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="Every list flag takes comma-separated values; the grid is their product. "
+                                   "Spawns --world-size gloo ranks on this machine (under torchrun: the launched "
+                                   "group, NCCL on CUDA).")
+    b.add_argument("--world-size", type=_positive, default=4, help="gloo ranks to spawn (ignored under torchrun)")
+    b.add_argument("--tokens", type=_int_list, default=[512, 2048, 8192], help="tokens per rank (T)")
+    b.add_argument("--hidden", type=_int_list, default=[1024], help="hidden sizes (H)")
+    b.add_argument("--top-k", type=_int_list, default=[2], help="experts per token (K)")
+    b.add_argument("--experts", type=_int_list, default=[16], help="experts across the group (E)")
+    b.add_argument("--chunks", type=_int_list, default=[1], help="pipeline chunks for the layer step (C)")
+    b.add_argument("--dtype", type=_str_list, default=["float32"], help="float32, bfloat16, float16")
+    b.add_argument("--workload", type=_str_list, default=["uniform"],
+                   help="routing: uniform, zipf, hot_experts, hot_rank, drifting")
+    b.add_argument("--ffn", type=_positive, default=256, help="expert FFN size of the layer step")
+    b.add_argument("--repeats", type=_positive, default=10, help="timed repeats per point (median reported)")
+    b.add_argument("--seed", type=int, default=0, help="routing seed")
+    b.add_argument("--no-layer", action="store_true", help="skip the MoELayer forward+backward step")
+    b.add_argument("--link", default=None, help="run on an emulated link of this rate, e.g. 1gbit (root, ip, tc)")
+    b.add_argument("--json", default=None, help="write all figures to this JSON file")
+    b.add_argument("--plot", default=None, help="write a PNG of throughput vs message size (needs matplotlib)")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.set_defaults(func=cmd_bench)
     return p
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     ns = build_parser().parse_args(argv)
+    ns.argv = argv
     return ns.func(ns)
 
 
