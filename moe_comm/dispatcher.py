@@ -246,11 +246,13 @@ class Dispatcher:
                                out=self.workspace.rows("recv", plan.num_recv, x_NH.shape[1], x_NH))
         return ops.gather_rows(recv_RH, plan.expert_index_R, plan.source_index_R, backend=self.backend)
 
-    def _return(self, y_RH: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+    def _return(self, y_RH: torch.Tensor, plan: ChunkPlan, keep: bool) -> torch.Tensor:
+        """keep: the returned rows are saved for backward (weights need grad): receive into fresh memory."""
         if plan.expert_index_R is not None:
             y_RH = ops.gather_rows(y_RH, plan.source_index_R, plan.expert_index_R, backend=self.backend,
                                    out=self.workspace.rows("back", plan.num_recv, y_RH.shape[1], y_RH))
-        return all_to_all_v(y_RH, plan.send_splits_W, plan.recv_splits_W, self.group)
+        out = None if keep else self.workspace.rows("combined", plan.num_rows, y_RH.shape[1], y_RH)
+        return all_to_all_v(y_RH, plan.send_splits_W, plan.recv_splits_W, self.group, out=out)
 
     # ---------------------------------------------------------------- public API
     def dispatch(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor) -> DispatchOutput:
@@ -288,7 +290,8 @@ class Dispatcher:
             got = tuple(expert_out_RH.shape) if isinstance(expert_out_RH, torch.Tensor) else type(expert_out_RH).__name__
             raise ValueError(f"expert_out_RH must be [R, H] = [{plan.num_recv}, {handle.hidden_size}] "
                              f"(the rows this handle's dispatch returned), got {got}")
-        y_NH = self._return(expert_out_RH, plan)
+        keep = torch.is_grad_enabled() and isinstance(topk_weight_TK, torch.Tensor) and topk_weight_TK.requires_grad
+        y_NH = self._return(expert_out_RH, plan, keep)
         return ops.unpermute(y_NH, handle.layout, topk_weight_TK, backend=self.backend)
 
     def _call_expert_fn(self, expert_fn: Callable, tokens_RH: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
@@ -331,7 +334,9 @@ class Dispatcher:
         handle = self._plan(x_TH, topk_idx_TK, num_chunks=C)
         with tl.compute("permute"):
             x_NH = ops.permute(x_TH, handle.layout, backend=self.backend, out=self._send_buffer(x_TH, handle))
-        y_NH, side_out, expert_s = run_pipeline(self, handle, x_NH, expert_fn, side_fn, measure=measure)
+        keep = torch.is_grad_enabled() and isinstance(topk_weight_TK, torch.Tensor) and topk_weight_TK.requires_grad
+        y_NH, side_out, expert_s = run_pipeline(self, handle, x_NH, expert_fn, side_fn, measure=measure,
+                                                keep_output=keep)
         if measure:
             self._make_plan(x_TH, handle, expert_s, expert_fn)
         with tl.compute("unpermute"):

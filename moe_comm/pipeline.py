@@ -43,6 +43,7 @@ class _Run:
     expert_fn: Callable
     side_fn: Optional[Callable[[], torch.Tensor]]
     grad_enabled: bool
+    keep_output: bool = True  # y_NH is saved for backward (the weights need grad): fresh memory
     measure: bool = False  # time the experts (num_chunks="auto" planning; syncs CUDA once)
     expert_s: float = 0.0
     side_out: Optional[torch.Tensor] = None
@@ -78,7 +79,8 @@ class _PipelinedExperts(torch.autograd.Function):
         chunks = handle.chunks
         impl = select_backend(d.backend, x_NH.device)
         x_NH = x_NH.contiguous()
-        y_NH = torch.empty_like(x_NH)
+        y_NH = torch.empty_like(x_NH) if run.keep_output or d.world_size == 1 else \
+            d.workspace.rows("combined", x_NH.shape[0], x_NH.shape[1], x_NH)
         recv, work_d, work_b = [None] * len(chunks), [None] * len(chunks), []
         # Rows that are only regrouped (received, sent back) live in the workspace, one region per
         # chunk since several chunks are in flight at once.
@@ -183,14 +185,15 @@ class _PipelinedExperts(torch.autograd.Function):
 
 
 def run_pipeline(dispatcher, handle, x_NH: torch.Tensor, expert_fn: Callable,
-                 side_fn: Optional[Callable[[], torch.Tensor]] = None, measure: bool = False):
+                 side_fn: Optional[Callable[[], torch.Tensor]] = None, measure: bool = False,
+                 keep_output: bool = True):
     """Pipelined dispatch -> expert_fn -> combine of the permuted rows ``x_NH`` [N, H].
 
     Returns (y_NH [N, H] combined rows in x_NH's order, side_fn's result or None, expert seconds
     when ``measure`` else 0).
     """
     run = _Run(dispatcher=dispatcher, handle=handle, expert_fn=expert_fn, side_fn=side_fn,
-               grad_enabled=torch.is_grad_enabled(), measure=measure)
+               grad_enabled=torch.is_grad_enabled(), measure=measure, keep_output=keep_output)
     # The anchor makes the output require grad whenever grad mode is on, so backward runs (and the
     # experts get their gradients) even when x itself needs none, e.g. the first layer's input.
     anchor = torch.empty(0, device=x_NH.device, requires_grad=True) if run.grad_enabled else None

@@ -46,7 +46,9 @@ class _Unpermute(torch.autograd.Function):
         y_NH = y_NH.contiguous()
         w = None if weight_TK is None else weight_TK.contiguous()
         ctx.layout, ctx.backend = layout, backend
-        ctx.save_for_backward(y_NH, w)
+        # y_NH is needed only for the weights' gradient; not saving it otherwise lets callers pass
+        # rows from a reused buffer.
+        ctx.save_for_backward(y_NH if ctx.needs_input_grad[1] else None, w)
         return impl.unpermute_rows(y_NH, layout.dest_row_TK, w)
 
     @staticmethod
