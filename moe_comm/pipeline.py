@@ -63,6 +63,19 @@ def _chunk_regions(d, chunks, like: torch.Tensor, name: str) -> list:
     return regions
 
 
+def _issue(d, dst: torch.Tensor, src: torch.Tensor, p, to_experts: bool, phase: str, c: int, direction: str):
+    """Start moving chunk c's rows towards the experts' ranks (``to_experts``) or back to their
+    tokens' ranks; returns the Work (None with one rank: a local copy). Recorded in the timeline."""
+    if d.world_size == 1:
+        dst.copy_(src)
+        return None
+    out_splits, in_splits = (p.recv_splits_W, p.send_splits_W) if to_experts else (p.send_splits_W, p.recv_splits_W)
+    t0 = d.timeline.mark()
+    work = all_to_all_v_async(dst, src.contiguous(), out_splits, in_splits, d.group)
+    d.timeline.comm(phase, work, chunk=c, direction=direction, start=t0)
+    return work
+
+
 def _now(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # host sync: only while measuring for num_chunks="auto"
@@ -93,9 +106,7 @@ class _PipelinedExperts(torch.autograd.Function):
                 recv[c] = src  # single rank: the rows are already here
                 return
             recv[c] = x_NH.new_empty(p.num_recv, x_NH.shape[1]) if p.expert_index_R is None else recv_ws[c]
-            t0 = tl.mark()
-            work_d[c] = all_to_all_v_async(recv[c], src, p.recv_splits_W, p.send_splits_W, d.group)
-            tl.comm("dispatch", work_d[c], chunk=c, start=t0)
+            work_d[c] = _issue(d, recv[c], src, p, True, "dispatch", c, "fwd")
 
         issue_dispatch(0)
         if run.side_fn is not None:  # e.g. shared experts, while the first dispatch is in flight
@@ -118,14 +129,7 @@ class _PipelinedExperts(torch.autograd.Function):
                 back_RH = out_RH.detach()
                 if p.expert_index_R is not None:
                     back_RH = impl.permute_rows(back_RH.contiguous(), p.source_index_R, out=back_ws[c])
-            dst = y_NH.narrow(0, p.row_offset, p.num_rows)
-            if d.world_size == 1:
-                dst.copy_(back_RH)
-            else:
-                t0 = tl.mark()
-                w = all_to_all_v_async(dst, back_RH.contiguous(), p.send_splits_W, p.recv_splits_W, d.group)
-                tl.comm("combine", w, chunk=c, start=t0)
-                work_b.append(w)
+            work_b.append(_issue(d, y_NH.narrow(0, p.row_offset, p.num_rows), back_RH, p, False, "combine", c, "fwd"))
         for c, w in enumerate(work_b):
             wait_work(w, "combine", c, timeout=d.timeout, rank=d.rank)
         ctx.run = run
@@ -153,9 +157,7 @@ class _PipelinedExperts(torch.autograd.Function):
                 recv[c] = src
                 return
             recv[c] = recv_ws[c]  # regrouped below (or, unregrouped, read by the expert backward only)
-            t0 = tl.mark()
-            work_g[c] = all_to_all_v_async(recv[c], src, p.recv_splits_W, p.send_splits_W, d.group)
-            tl.comm("combine", work_g[c], chunk=c, direction="bwd", start=t0)
+            work_g[c] = _issue(d, recv[c], src, p, True, "combine", c, "bwd")
 
         issue_grad_combine(0)
         for c, p in enumerate(chunks):
@@ -171,14 +173,8 @@ class _PipelinedExperts(torch.autograd.Function):
                 if p.expert_index_R is not None:
                     g_in = impl.permute_rows(g_in.contiguous(), p.source_index_R, out=back_ws[c])
                 run.expert_io[c] = None  # free the chunk's activations
-            dst = grad_x_NH.narrow(0, p.row_offset, p.num_rows)
-            if d.world_size == 1:
-                dst.copy_(g_in)
-            else:
-                t0 = tl.mark()
-                w = all_to_all_v_async(dst, g_in.contiguous(), p.send_splits_W, p.recv_splits_W, d.group)
-                tl.comm("dispatch", w, chunk=c, direction="bwd", start=t0)
-                work_x.append(w)
+            work_x.append(_issue(d, grad_x_NH.narrow(0, p.row_offset, p.num_rows), g_in, p, False, "dispatch", c,
+                                 "bwd"))
         for c, w in enumerate(work_x):
             wait_work(w, "dispatch", c, timeout=d.timeout, rank=d.rank, direction="bwd")
         return grad_x_NH, None, None
