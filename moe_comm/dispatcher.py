@@ -61,6 +61,7 @@ class DispatchHandle:
     chunks: List[ChunkPlan]
     call_id: int
     hidden_size: int
+    owner: int = 0  # id() of the Dispatcher that made it
 
 
 @dataclass
@@ -229,7 +230,8 @@ class Dispatcher:
                                     num_rows=sum(send_W), expert_index_R=index, source_index_R=inverse,
                                     tokens_per_expert_e=counts_We.sum(0), counts_e=counts_e))
             offset += sum(send_W)
-        return DispatchHandle(layout=layout, chunks=chunks, call_id=next(_call_ids), hidden_size=x_TH.shape[1])
+        return DispatchHandle(layout=layout, chunks=chunks, call_id=next(_call_ids), hidden_size=x_TH.shape[1],
+                              owner=id(self))
 
     def _send_buffer(self, x_TH: torch.Tensor, handle: DispatchHandle) -> Optional[torch.Tensor]:
         """Workspace rows for the permuted send buffer (W > 1: the all-to-all consumes it at once)."""
@@ -282,9 +284,11 @@ class Dispatcher:
         """
         if not isinstance(handle, DispatchHandle):
             raise TypeError(f"handle must be the DispatchHandle from dispatch(), got {type(handle).__name__}")
-        plan = handle.chunks[0]
+        if handle.owner != id(self):
+            raise ValueError("handle comes from another Dispatcher's dispatch(); combine it with that Dispatcher")
         if len(handle.chunks) != 1:
             raise ValueError("handle comes from a pipelined call, not from dispatch()")
+        plan = handle.chunks[0]
         if not isinstance(expert_out_RH, torch.Tensor) or expert_out_RH.dim() != 2 \
                 or tuple(expert_out_RH.shape) != (plan.num_recv, handle.hidden_size):
             got = tuple(expert_out_RH.shape) if isinstance(expert_out_RH, torch.Tensor) else type(expert_out_RH).__name__

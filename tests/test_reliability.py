@@ -72,7 +72,8 @@ def _rank_nan_isolation(rank, world_size):
     batch sizes; BLAS may then round other rows differently: on this CPU, 2 of 40 row counts M gave
     different bits for x[:M] @ W vs (x @ W)[:M]. So the guarantee is stated for fixed routing.)"""
     torch.manual_seed(0)
-    experts = moe_comm.GroupedExperts(2, H, 16, first_expert=2 * rank, seed=1)
+    e = 4 // world_size
+    experts = moe_comm.GroupedExperts(e, H, 16, first_expert=e * rank, seed=1)
     d = moe_comm.Dispatcher(num_experts=4)
     x, idx = _good(rank, T=10)
     idx[:, 0] = 0  # every token shares expert 0 with the poisoned one
@@ -90,15 +91,17 @@ def _rank_nan_isolation(rank, world_size):
 
 
 @pytest.mark.multirank
-def test_nan_token_poisons_only_its_own_rows(ranks):
-    res = ranks(2).run(_rank_nan_isolation)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_nan_token_poisons_only_its_own_rows(ranks, world_size):
+    res = ranks(world_size).run(_rank_nan_isolation)
     assert all(same for same, _, _ in res)  # bit-identical elsewhere, on both ranks
     assert res[0][1] is True
     assert all(finite for _, _, finite in res)  # through the whole layer too (router included)
 
 
 def _rank_config_mismatch(rank, world_size):
-    cfg = moe_comm.MoEConfig(hidden_size=H, ffn_hidden_size=16 if rank == 0 else 32, num_experts=4, top_k=2)
+    cfg = moe_comm.MoEConfig(hidden_size=H, ffn_hidden_size=16 if rank == 0 else 32, num_experts=4, top_k=2,
+                             score_func="sigmoid" if rank == world_size - 1 else "softmax")
     try:
         moe_comm.MoELayer(cfg)
     except ValueError as e:
@@ -107,10 +110,14 @@ def _rank_config_mismatch(rank, world_size):
 
 
 @pytest.mark.multirank
-def test_config_mismatch_raises_on_every_rank(ranks):
-    errors = ranks(2).run(_rank_config_mismatch)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_config_mismatch_raises_on_every_rank(ranks, world_size):
+    errors = ranks(world_size).run(_rank_config_mismatch)
+    others = list(range(1, world_size))
+    last = world_size - 1
     for e in errors:
-        assert e is not None and "ffn_hidden_size" in e and "16 on ranks [0]" in e and "32 on ranks [1]" in e
+        assert e is not None and "ffn_hidden_size" in e and "16 on ranks [0]" in e and f"32 on ranks {others}" in e
+        assert "score_func" in e and f"'sigmoid' on ranks [{last}]" in e
 
 
 def _rank_determinism(rank, world_size):
@@ -128,8 +135,9 @@ def _rank_determinism(rank, world_size):
 
 
 @pytest.mark.multirank
-def test_bit_identical_run_to_run(ranks):
-    for run1, run2, chunked in ranks(2).run(_rank_determinism):
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_bit_identical_run_to_run(ranks, world_size):
+    for run1, run2, chunked in ranks(world_size).run(_rank_determinism):
         assert all(torch.equal(a, b) for a, b in zip(run1, run2))
         # Across chunk counts the experts' GEMMs see other row counts M; CPU BLAS rounds a row
         # differently for some M (measured: 2 of 40), and weight gradients are summed per chunk.
@@ -151,14 +159,15 @@ def test_non_contiguous_input_gives_the_same_result():
 # ---- faults: a dead or stuck peer becomes a CollectiveError on the survivors ------------------------
 
 def _fault_rank(rank, world_size, init_file, mode, q):
+    """Rank 1 dies or stalls inside its experts; every other rank must raise CollectiveError."""
     import datetime
 
     import torch.distributed as dist
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=60))
-    d = moe_comm.Dispatcher(num_experts=2, timeout=3.0)
-    x, idx = _good(rank, E=2, T=5)
+    d = moe_comm.Dispatcher(num_experts=world_size, timeout=3.0)
+    x, idx = _good(rank, E=world_size, T=5)
 
     def expert_fn(tokens, counts):
         if rank == 1:
@@ -179,19 +188,44 @@ def _fault_rank(rank, world_size, init_file, mode, q):
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("mode", ["die", "stuck"])
-def test_dead_or_stuck_peer_raises_within_timeout(tmp_path, mode):
+def test_dead_or_stuck_peer_raises_within_timeout(tmp_path, mode, world_size):
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_fault_rank, args=(r, 2, str(tmp_path / "store"), mode, q)) for r in range(2)]
+    procs = [ctx.Process(target=_fault_rank, args=(r, world_size, str(tmp_path / "store"), mode, q))
+             for r in range(world_size)]
     for p in procs:
         p.start()
+    got = {}
     try:
-        rank, msg, elapsed = q.get(timeout=60)
+        while len(got) < world_size - 1:
+            rank, msg, elapsed = q.get(timeout=60)
+            got[rank] = (msg, elapsed)
     finally:
         for p in procs:
             p.kill()
             p.join()
-    assert rank == 0
-    assert "combine of chunk 0" in msg and "EP rank 0" in msg, msg
-    assert elapsed < 3.0 + 5.0  # the timeout plus a margin for process scheduling
+    assert sorted(got) == [r for r in range(world_size) if r != 1]  # every survivor reported
+    for rank, (msg, elapsed) in got.items():
+        # Survivors fail in the combine (they wait for rank 1's expert output) or, with a dead peer
+        # whose socket closed, wherever they were.
+        assert f"EP rank {rank}" in msg and "of chunk 0" in msg, msg
+        assert elapsed < 3.0 + 5.0, (rank, elapsed)  # the timeout plus a margin for scheduling
+
+
+def test_combine_rejects_foreign_handles_and_wrong_rows():
+    """Tier 1: a handle from another Dispatcher or from a pipelined call, and rows that do not match."""
+    x, idx = _good(0)
+    a, b = moe_comm.Dispatcher(num_experts=4), moe_comm.Dispatcher(num_experts=4)
+    out = a.dispatch(x, idx)
+    w = torch.ones(idx.shape)
+    with pytest.raises(ValueError, match="another Dispatcher"):
+        b.combine(out.tokens, w, out.handle)
+    with pytest.raises(ValueError, match=r"expert_out_RH must be \[R, H\]"):
+        a.combine(out.tokens[1:], w, out.handle)
+    with pytest.raises(TypeError, match="handle must be the DispatchHandle"):
+        a.combine(out.tokens, w, "nope")
+    with pytest.raises(ValueError, match="topk_weight_TK must have shape"):
+        a.combine(out.tokens, w[:, :1], out.handle)
+    torch.testing.assert_close(a.combine(out.tokens, w, out.handle), 2 * x)
