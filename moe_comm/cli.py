@@ -230,6 +230,27 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(ns: argparse.Namespace) -> int:
+    from .diagnose import profile_main
+
+    params = {}
+    for kv in ns.workload_param:
+        k, sep, v = kv.partition("=")
+        if not sep or not k:
+            return _fail(f"--workload-param must be KEY=VALUE, got {kv!r}")
+        try:
+            params[k] = json.loads(v)
+        except json.JSONDecodeError:
+            params[k] = v
+    keys = ("world_size", "tokens", "hidden", "ffn", "experts", "top_k", "num_chunks", "steps", "warmup",
+            "workload", "dtype", "seed", "link", "link_delay")
+    opts = {**{k: getattr(ns, k) for k in keys}, "workload_params": params, "timeout_s": ns.timeout}
+    try:
+        return profile_main(opts, ns.out)
+    except (ValueError, TypeError) as e:
+        return _fail(str(e))
+
+
 def _positive(v: str) -> int:
     n = int(v)
     if n < 1:
@@ -276,6 +297,34 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", default=None, help="write a PNG of throughput vs message size (needs matplotlib)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(func=cmd_bench)
+
+    pr = sub.add_parser("profile", help="run a layer N steps with the timeline on; diagnose where the step goes",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                        description="Prints, in order: is compute saturated, the communication share, the "
+                                    "costliest collective, hidden vs exposed, bandwidth- or latency-bound, slow "
+                                    "ranks vs expert load, and one suggestion with its predicted gain. Writes "
+                                    "trace.json (Perfetto), timeline.png and profile.json into --out.")
+    pr.add_argument("--world-size", type=_positive, default=2, help="gloo ranks to spawn (ignored under torchrun)")
+    pr.add_argument("--tokens", type=_positive, default=1024, help="tokens per rank (T)")
+    pr.add_argument("--hidden", type=_positive, default=256, help="hidden size (H)")
+    pr.add_argument("--ffn", type=_positive, default=512, help="expert FFN size (F)")
+    pr.add_argument("--experts", type=_positive, default=8, help="experts across the group (E)")
+    pr.add_argument("--top-k", type=_positive, default=2, help="experts per token (K)")
+    pr.add_argument("--num-chunks", type=_positive, default=1, help="pipeline chunks (C)")
+    pr.add_argument("--steps", type=_positive, default=3, help="profiled forward+backward steps")
+    pr.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    pr.add_argument("--workload", default="uniform",
+                    help="'router' (the layer's own routing) or a routing workload: uniform, zipf, hot_experts, "
+                         "hot_rank, drifting")
+    pr.add_argument("--workload-param", action="append", default=[], metavar="KEY=VALUE",
+                    help="workload parameter, repeatable, e.g. p=0.8")
+    pr.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    pr.add_argument("--seed", type=int, default=0)
+    pr.add_argument("--link", default=None, help="run on an emulated link of this tc rate, e.g. 1gbit (root, ip, tc)")
+    pr.add_argument("--link-delay", default=None, help="extra one-way delay on the emulated link, e.g. 1ms (netem)")
+    pr.add_argument("--timeout", type=float, default=900, help="seconds before the run is abandoned")
+    pr.add_argument("--out", default="moe_comm_profile", help="directory for trace.json, timeline.png, profile.json")
+    pr.set_defaults(func=cmd_profile)
     return p
 
 

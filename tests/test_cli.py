@@ -69,3 +69,22 @@ def test_argparse_rejects_malformed_lists():
     with pytest.raises(SystemExit) as e:
         cli.main(["bench", "--tokens", "12,x"])
     assert e.value.code == 2
+
+
+@pytest.mark.multirank
+def test_profile_writes_trace_png_and_diagnosis(tmp_path):
+    r = _run("profile", "--world-size", "2", "--tokens", "64", "--hidden", "16", "--ffn", "16", "--experts", "4",
+             "--steps", "1", "--warmup", "1", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "Suggestion" in r.stdout or "suggestion" in r.stdout.lower()
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert trace["traceEvents"]
+    assert (tmp_path / "timeline.png").stat().st_size > 1000
+    prof = json.loads((tmp_path / "profile.json").read_text())
+    assert prof
+
+
+def test_profile_bad_workload_param_exits_2(capsys):
+    """Tier 1."""
+    assert cli.main(["profile", "--workload-param", "novalue"]) == 2
+    assert "KEY=VALUE" in capsys.readouterr().err
