@@ -8,6 +8,8 @@ from .config import MoEConfig
 from .dispatcher import DispatchHandle, Dispatcher, DispatchOutput
 from .experts import GroupedExperts, SwiGLU
 from .layer import MoELayer
+from .monitor import LoadMonitor
+from .rebalance import Placement, plan_placement
 from .reference import dense_moe
 from .router import Router, RouterOutput, route
 
@@ -15,5 +17,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MoEConfig", "MoELayer", "Dispatcher", "DispatchOutput", "DispatchHandle", "Router", "RouterOutput",
-    "route", "GroupedExperts", "SwiGLU", "dense_moe", "ops", "checkpoint", "__version__",
+    "route", "GroupedExperts", "SwiGLU", "dense_moe", "ops", "checkpoint", "LoadMonitor", "Placement",
+    "plan_placement", "__version__",
 ]

@@ -18,6 +18,9 @@ Metrics (over the window, the EMA, or the last step):
     router_entropy      entropy (nats) of the mean router probability, when scores are given
     drop_fraction       dropped / (routed + dropped) slots
 
+Placement: ``set_placement(plan)`` (called by ``MoELayer.apply_placement``) keeps counting LOGICAL experts
+and makes the per-rank views split a replicated expert's load evenly over the ranks of its replicas.
+
 Hot experts: an expert becomes hot after ``hot_persistence`` consecutive steps with load >
 ``hot_threshold`` x the mean expert load of the step, and stops being hot after ``hot_persistence``
 consecutive steps at or below it (hysteresis: no flicker around the threshold).
@@ -34,7 +37,7 @@ from typing import Callable, Dict, List, Optional, Union
 import torch
 import torch.distributed as dist
 
-__all__ = ["LoadMonitor", "HotExpert"]
+__all__ = ["LoadMonitor", "HotExpert", "GlobalCounts", "reduce_counts"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -50,6 +53,34 @@ class HotExpert:
     rank: int
     load_over_mean: float
     since_step: int
+
+
+class GlobalCounts:
+    """Tokens per expert summed over the EP group, possibly still in flight (an async all_reduce).
+
+    ``wait()`` -> [E] float64 device tensor of global counts (integers, exact below 2**53). It orders the
+    current stream after the collective (NCCL: no host block; gloo: the CPU waits for its worker thread)
+    and may be called any number of times. Returned by ``LoadMonitor.observe`` and ``reduce_counts``.
+    """
+
+    def __init__(self, counts_E: torch.Tensor, work=None):
+        self._counts_E, self._work = counts_E, work
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._counts_E
+
+
+def reduce_counts(counts_E: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> GlobalCounts:
+    """Start summing [E] integer counts over ``group`` (one async all_reduce; collective when the group
+    has more than one rank); no host sync. None or a 1-rank group: the counts themselves."""
+    buf_E = counts_E.detach().to(torch.float64)
+    if group is None or dist.get_world_size(group) == 1:
+        return GlobalCounts(buf_E)
+    buf_E = buf_E.clone() if buf_E is counts_E else buf_E
+    return GlobalCounts(buf_E, dist.all_reduce(buf_E, group=group, async_op=True))
 
 
 def _check_int(name: str, value, low: int) -> int:
@@ -122,14 +153,54 @@ class LoadMonitor:
         if sync_every is not None:
             _check_int("sync_every", sync_every, 1)
         self.sync_every = sync_every
+        self._rank_share_WE: Optional[torch.Tensor] = None  # set_placement: share of expert g's load on rank r
+        self._ranks_of: Optional[List[List[int]]] = None
+        self._phys_to_logical: Optional[List[int]] = None
         self.reset()
+
+    def set_placement(self, placement=None) -> None:
+        """Make the per-rank views follow a placement of the experts (``MoELayer.apply_placement`` calls it).
+
+        Args:
+            placement: a ``moe_comm.rebalance.Placement`` (or its ``phys_to_logical``: [P] logical expert
+                of each physical slot, slot p on rank p // (P / W)); None restores the default (expert g on
+                rank g // (E / W)).
+        Counts stay per LOGICAL expert. Per-rank figures (tokens_per_rank, rank max/mean, the plot's bars,
+        a hot expert's ``rank``) then split a replicated expert's load evenly over its replicas (what the
+        layer's round-robin split does, to within a row) and apply to every step in the window, also
+        steps observed before the placement changed: "what the ranks carry under this placement".
+        A hot expert's ``rank`` is the rank of its first replica.
+        """
+        if placement is None:
+            self._rank_share_WE = self._ranks_of = self._phys_to_logical = None
+            return
+        p2l = getattr(placement, "phys_to_logical", placement)
+        p2l = [int(g) for g in (p2l.tolist() if isinstance(p2l, torch.Tensor) else p2l)]
+        E, W = self.num_experts, self.num_ranks
+        if len(p2l) % W or sorted(set(p2l)) != list(range(E)):
+            raise ValueError(f"LoadMonitor.set_placement: phys_to_logical must have a multiple of num_ranks={W} "
+                             f"entries covering every expert 0..{E - 1}, got {p2l}")
+        S = len(p2l) // W
+        count = [p2l.count(g) for g in range(E)]
+        share = torch.zeros(W, E, dtype=torch.float64)
+        ranks_of: List[List[int]] = [[] for _ in range(E)]
+        for p, g in enumerate(p2l):
+            share[p // S, g] += 1.0 / count[g]
+            ranks_of[g].append(p // S)
+        self._rank_share_WE, self._ranks_of, self._phys_to_logical = share, ranks_of, p2l
+
+    def _rank_load(self, load_XE: torch.Tensor) -> torch.Tensor:
+        """[..., E] host loads -> [..., W] per-rank loads under the current placement."""
+        if self._rank_share_WE is None:
+            return load_XE.reshape(load_XE.shape[:-1] + (self.num_ranks, -1)).sum(-1)
+        return load_XE.to(torch.float64) @ self._rank_share_WE.T
 
     # ------------------------------------------------------------------------------------------ state
     def reset(self) -> None:
         """Forget everything observed (buffers are re-created on the next observe's device)."""
         self._device: Optional[torch.device] = None
         self._done = 0                 # steps folded into the device state
-        self._pending: List[tuple] = []  # (work, buf_X) of an all_reduce not folded in yet
+        self._pending: List[tuple] = []  # (GlobalCounts, buf_X) of an all_reduce not folded in yet
         self._polled = 0               # steps whose hot changes were delivered
         self._known_hot: List[int] = []
 
@@ -158,7 +229,8 @@ class LoadMonitor:
     # ---------------------------------------------------------------------------------------- observe
     @torch.no_grad()
     def observe(self, tokens_per_expert_E: torch.Tensor, dropped: Union[torch.Tensor, int] = 0,
-                scores_TE: Optional[torch.Tensor] = None, *, group: Optional[dist.ProcessGroup] = None) -> None:
+                scores_TE: Optional[torch.Tensor] = None, *,
+                group: Optional[dist.ProcessGroup] = None) -> GlobalCounts:
         """Record one step. No host sync (unless ``sync_every`` asks for one).
 
         Args:
@@ -171,6 +243,8 @@ class LoadMonitor:
                 are summed over it with ONE asynchronous all_reduce: a collective, so every rank of
                 the group must call observe with a group, in the same order. num_ranks must equal the
                 group size.
+        Returns: GlobalCounts of this step (the group-summed counts once ``wait()`` ed), so a caller
+            that also needs the global load (aux-loss-free balancing) reuses this step's collective.
         """
         if not isinstance(tokens_per_expert_E, torch.Tensor):
             raise TypeError(f"tokens_per_expert_E must be a torch.Tensor, got {type(tokens_per_expert_E).__name__}")
@@ -212,21 +286,23 @@ class LoadMonitor:
             # float64 is exact for counts below 2**53.
             buf_X = torch.cat([counts_E.to(torch.float64), dropped_t.to(torch.float64).reshape(1), probsum_E,
                                torch.full((1,), ntok, dtype=torch.float64, device=device)])
-            work = dist.all_reduce(buf_X, group=group, async_op=True)
-            self._pending.append((work, buf_X))
+            handle = GlobalCounts(buf_X[:E], dist.all_reduce(buf_X, group=group, async_op=True))
+            self._pending.append((handle, buf_X))
         else:
             self._flush()
             self._fold(counts_E, dropped_t, probsum_E, torch.full((), ntok, dtype=torch.float64, device=device))
+            handle = GlobalCounts(counts_E.to(torch.float64))
         if self.sync_every is not None and self.steps % self.sync_every == 0:
             self.poll()  # host sync: opted in with sync_every
+        return handle
 
     def _flush(self) -> None:
         """Fold in a finished group reduction. ``wait`` orders the current stream after the collective
         (NCCL: no host block; gloo: the CPU waits for its worker thread)."""
         E = self.num_experts
         while self._pending:
-            work, buf_X = self._pending.pop(0)
-            work.wait()
+            handle, buf_X = self._pending.pop(0)
+            handle.wait()
             self._fold(buf_X[:E].round().to(torch.int64), buf_X[E].round().to(torch.int64),
                        buf_X[E + 1:2 * E + 1], buf_X[2 * E + 1])
 
@@ -286,8 +362,7 @@ class LoadMonitor:
                 added = sorted(set(now) - set(self._known_hot))
                 removed = sorted(set(self._known_hot) - set(now))
                 self._known_hot = now
-                e = self.num_experts // self.num_ranks
-                fmt = lambda ids: ", ".join(f"{g} (rank {g // e})" for g in ids) or "none"  # noqa: E731
+                fmt = lambda ids: ", ".join(f"{g} (rank {self.rank_of(g)})" for g in ids) or "none"  # noqa: E731
                 self.logger.info("moe_comm hot experts changed at step %d: added [%s], removed [%s]; hot now [%s]",
                                  step, fmt(added), fmt(removed), fmt(now))
                 if self.on_hot_change is not None:
@@ -301,10 +376,10 @@ class LoadMonitor:
         return self._hot_list(st)
 
     def _hot_list(self, st: Dict[str, torch.Tensor]) -> List[HotExpert]:
-        e = self.num_experts // self.num_ranks
         ema_E = st["ema_E"]
         mean = float(ema_E.mean())
-        return [HotExpert(expert=g, rank=g // e, load_over_mean=float(ema_E[g]) / mean if mean > 0 else float("nan"),
+        return [HotExpert(expert=g, rank=self.rank_of(g),
+                          load_over_mean=float(ema_E[g]) / mean if mean > 0 else float("nan"),
                           since_step=int(st["hot_since_E"][g]))
                 for g in st["hot_E"].nonzero().flatten().tolist()]
 
@@ -313,12 +388,24 @@ class LoadMonitor:
         return self.poll()
 
     def rank_of(self, expert: int) -> int:
-        """EP rank owning global expert ``expert`` (expert // (E / W))."""
+        """EP rank owning global expert ``expert`` (expert // (E / W); after ``set_placement``, the rank of
+        its first replica)."""
+        if self._ranks_of is not None:
+            return self._ranks_of[expert][0]
         return expert // (self.num_experts // self.num_ranks)
+
+    def ranks_of(self, expert: int) -> List[int]:
+        """Every EP rank holding a replica of ``expert`` (one rank without a placement)."""
+        return [self.rank_of(expert)] if self._ranks_of is None else list(self._ranks_of[expert])
+
+    def load_history(self) -> torch.Tensor:
+        """Host sync. [S, E] int64 tokens per expert of the window's steps, oldest first: the input of
+        ``moe_comm.rebalance.plan_placement`` (identical on every rank when observed with a group)."""
+        return self._host()["counts_SE"]
 
     def _view(self, load_E: torch.Tensor, dropped: Optional[float] = None) -> Dict[str, object]:
         load_E = load_E.to(torch.float64)
-        rank_W = load_E.reshape(self.num_ranks, -1).sum(1)
+        rank_W = self._rank_load(load_E)
         mean, mx = float(load_E.mean()), float(load_E.max())
         rmean, rmx = float(rank_W.mean()), float(rank_W.max())
         ratio = lambda a, b: a / b if b > 0 else None  # noqa: E731
@@ -348,8 +435,8 @@ class LoadMonitor:
         expert_max_over_mean, rank_max_over_mean, rank_balancedness, cv (window/last also routed,
         dropped, drop_fraction); ``total`` (since the start: tokens_per_expert, routed, dropped,
         drop_fraction); ``router_entropy`` (last, window_mean, max = ln E; None without scores);
-        ``hot_experts`` (list of {expert, rank, load_over_mean, since_step}). Ratios are None when
-        undefined (no load).
+        ``hot_experts`` (list of {expert, rank, load_over_mean, since_step}); ``placement`` (phys_to_logical)
+        only after ``set_placement``. Ratios are None when undefined (no load).
         """
         st = self._host()
         self._deliver(st)
@@ -380,6 +467,8 @@ class LoadMonitor:
                                  "window_mean": float(seen.mean()) if seen.numel() else None,
                                  "max": math.log(self.num_experts)}
         out["hot_experts"] = [asdict(h) for h in self._hot_list(st)]
+        if self._phys_to_logical is not None:
+            out["placement"] = list(self._phys_to_logical)
         return out
 
     def history(self) -> Dict[str, object]:
@@ -435,7 +524,7 @@ class LoadMonitor:
         step_mean_S = counts_SE.mean(1, keepdim=True)
         rel_ES = (counts_SE / step_mean_S.where(step_mean_S > 0, torch.tensor(float("nan")))).T.numpy()
         hot_now = st["hot_E"].nonzero().flatten().tolist()
-        rank_SW = counts_SE.reshape(n, W, e).sum(2)
+        rank_SW = self._rank_load(counts_SE)
         rank_mom_S = (rank_SW.max(1).values / rank_SW.mean(1)).numpy()
         rank_W = (rank_SW.sum(0) / n).numpy()
 
@@ -458,9 +547,9 @@ class LoadMonitor:
         cb.ax.axhline(self.hot_threshold, color="k", lw=1.5)
         for g, run_start, run_len in _runs(st["hot_SE"].T):  # outline each hot period of each expert
             ax_h.add_patch(Rectangle((first + run_start - 0.5, g - 0.5), run_len, 1.0, fill=False, ec="k", lw=1.3))
-        for r in range(1, W):
+        for r in range(1, W if self._ranks_of is None else 1):  # a placement scatters experts: no bands
             ax_h.axhline(r * e - 0.5, color="0.3", lw=0.8, ls=":")
-        if W > 1:
+        if W > 1 and self._ranks_of is None:
             sec = ax_h.secondary_yaxis("right")
             sec.set_yticks([r * e + (e - 1) / 2 for r in range(W)], labels=[f"rank {r}" for r in range(W)])
             sec.tick_params(length=0, pad=14)  # room for the hot-now markers
@@ -497,8 +586,10 @@ class LoadMonitor:
 
         load_E = counts_SE.sum(0)
         bal = float(load_E.mean() / load_E.max()) if load_E.max() > 0 else float("nan")
-        hot_txt = ", ".join(f"{g} (r{g // e})" for g in hot_now[:8]) + (" ..." if len(hot_now) > 8 else "")
-        fig.suptitle(title or f"LoadMonitor: {E} experts on {W} ranks, steps {first}-{last} | balancedness "
+        hot_txt = ", ".join(f"{g} (r{self.rank_of(g)})" for g in hot_now[:8]) + (" ..." if len(hot_now) > 8 else "")
+        placed = "" if self._phys_to_logical is None else \
+            f" (placed: {len(self._phys_to_logical)} slots, rank views use this placement for every step)"
+        fig.suptitle(title or f"LoadMonitor: {E} experts on {W} ranks{placed}, steps {first}-{last} | balancedness "
                      f"{bal:.2f} | hot now: {hot_txt or 'none'}", fontsize="large")
         fig.savefig(path, dpi=dpi)
         return os.fspath(path)
