@@ -292,7 +292,7 @@ def profile_rank(rank: int, world_size: int, opts: Dict[str, Any]) -> Optional[D
         "rank": rank,
         "rows_sent": rows_sent / n,
         "rows_recv": float(counts_We[rank].sum()),
-        "rows_recv_per_expert": counts_We[rank].tolist(),
+        "rows_recv_per_expert": counts_We[rank].tolist(),  # host sync: profiling, after the steps
         "bytes_sent": rows_sent / n * H * elsize,
         "bytes_recv": float(counts_We[rank].sum()) * H * elsize,
         "ranks_per_token": ranks_per_token / n,

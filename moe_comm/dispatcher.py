@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from . import ops
 from .comm import all_to_all_v, exchange_counts, group_rank, group_size, resolve_group
-from .autochunk import PipelinePlan, choose_num_chunks, measure_alpha_beta
+from .autochunk import PipelinePlan, choose_num_chunks, measure_alpha_beta, measure_overlap
 from .layout import Layout
 from .profiling import Timeline
 from .workspace import Workspace
@@ -365,7 +365,10 @@ class Dispatcher:
         if self.group is not None and self.world_size > 1:
             dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.group)
         expert_max, bytes_max, kappa_max = stats.tolist()  # host sync: none, a CPU tensor
-        self.plans[(x_TH.shape[-1], x_TH.dtype)] = choose_num_chunks(expert_max, bytes_max, alpha, beta, kappa_max)
+        # eta: probed with a message of one chunk of a 4-deep pipeline (what overlap would move).
+        eta = measure_overlap(self.group, x_TH.device, int(bytes_max // 4))
+        self.plans[(x_TH.shape[-1], x_TH.dtype)] = choose_num_chunks(expert_max, bytes_max, alpha, beta, kappa_max,
+                                                                     overlap=eta)
 
     def _chunk_overhead(self, x_TH: torch.Tensor, handle: DispatchHandle, expert_fn: Callable) -> float:
         """Seconds one more chunk costs beyond its rows: experts on one row each plus a regroup."""

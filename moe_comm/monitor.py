@@ -96,7 +96,7 @@ def _finite_or_none(x: float) -> Optional[float]:
 def _runs(mask_ES: torch.Tensor) -> List[tuple]:
     """(row, start, length) of every run of True along dim 1 of a bool [E, S] mask."""
     out = []
-    for g, row in enumerate(mask_ES.tolist()):
+    for g, row in enumerate(mask_ES.tolist()):  # host sync: read side
         start = None
         for i, v in enumerate(row + [False]):
             if v and start is None:
@@ -175,7 +175,7 @@ class LoadMonitor:
             self._rank_share_WE = self._ranks_of = self._phys_to_logical = None
             return
         p2l = getattr(placement, "phys_to_logical", placement)
-        p2l = [int(g) for g in (p2l.tolist() if isinstance(p2l, torch.Tensor) else p2l)]
+        p2l = [int(g) for g in (p2l.tolist() if isinstance(p2l, torch.Tensor) else p2l)]  # host sync: read side
         E, W = self.num_experts, self.num_ranks
         if len(p2l) % W or sorted(set(p2l)) != list(range(E)):
             raise ValueError(f"LoadMonitor.set_placement: phys_to_logical must have a multiple of num_ranks={W} "
@@ -357,7 +357,7 @@ class LoadMonitor:
         """Replay hot-set changes of the steps not yet delivered, in order (from the window)."""
         first = self._done - st["hot_SE"].shape[0]  # step of window row 0
         for step in range(max(self._polled, first), self._done):
-            now = st["hot_SE"][step - first].nonzero().flatten().tolist()
+            now = st["hot_SE"][step - first].nonzero().flatten().tolist()  # host sync: read side
             if now != self._known_hot:
                 added = sorted(set(now) - set(self._known_hot))
                 removed = sorted(set(self._known_hot) - set(now))
@@ -381,7 +381,7 @@ class LoadMonitor:
         return [HotExpert(expert=g, rank=self.rank_of(g),
                           load_over_mean=float(ema_E[g]) / mean if mean > 0 else float("nan"),
                           since_step=int(st["hot_since_E"][g]))
-                for g in st["hot_E"].nonzero().flatten().tolist()]
+                for g in st["hot_E"].nonzero().flatten().tolist()]  # host sync: read side
 
     def hot_experts(self) -> List[HotExpert]:
         """Host sync: the experts hot now, by id, each with its rank (also delivers pending changes)."""
@@ -410,8 +410,8 @@ class LoadMonitor:
         rmean, rmx = float(rank_W.mean()), float(rank_W.max())
         ratio = lambda a, b: a / b if b > 0 else None  # noqa: E731
         view = {
-            "tokens_per_expert": load_E.tolist(),
-            "tokens_per_rank": rank_W.tolist(),
+            "tokens_per_expert": load_E.tolist(),  # host sync: read side
+            "tokens_per_rank": rank_W.tolist(),  # host sync: read side
             "balancedness": ratio(mean, mx),
             "expert_max_over_mean": ratio(mx, mean),
             "rank_max_over_mean": ratio(rmx, rmean),
@@ -459,7 +459,7 @@ class LoadMonitor:
         else:
             out["window"] = out["ema"] = out["last"] = None
         routed, dropped = int(st["total_E"].sum()), int(st["total_dropped"])
-        out["total"] = {"tokens_per_expert": st["total_E"].tolist(), "routed": routed, "dropped": dropped,
+        out["total"] = {"tokens_per_expert": st["total_E"].tolist(), "routed": routed, "dropped": dropped,  # host sync: read side
                         "drop_fraction": dropped / (routed + dropped) if routed + dropped else None}
         ent = st["entropy_S"]
         seen = ent[~ent.isnan()]
@@ -477,9 +477,9 @@ class LoadMonitor:
         st = self._host()
         n = st["counts_SE"].shape[0]
         return {"steps": list(range(self._done - n, self._done)),
-                "tokens_per_expert": st["counts_SE"].tolist(), "dropped": st["dropped_S"].tolist(),
-                "router_entropy": [_finite_or_none(x) for x in st["entropy_S"].tolist()],
-                "hot": [row.nonzero().flatten().tolist() for row in st["hot_SE"]]}
+                "tokens_per_expert": st["counts_SE"].tolist(), "dropped": st["dropped_S"].tolist(),  # host sync: read side
+                "router_entropy": [_finite_or_none(x) for x in st["entropy_S"].tolist()],  # host sync: read side
+                "hot": [row.nonzero().flatten().tolist() for row in st["hot_SE"]]}  # host sync: read side
 
     def to_json(self, path: Union[str, os.PathLike], history: bool = True) -> str:
         """Host sync. Write ``summary()`` (plus ``history()`` under "history" when asked) to ``path``."""
@@ -523,7 +523,7 @@ class LoadMonitor:
         counts_SE = st["counts_SE"].to(torch.float64)
         step_mean_S = counts_SE.mean(1, keepdim=True)
         rel_ES = (counts_SE / step_mean_S.where(step_mean_S > 0, torch.tensor(float("nan")))).T.numpy()
-        hot_now = st["hot_E"].nonzero().flatten().tolist()
+        hot_now = st["hot_E"].nonzero().flatten().tolist()  # host sync: read side
         rank_SW = self._rank_load(counts_SE)
         rank_mom_S = (rank_SW.max(1).values / rank_SW.mean(1)).numpy()
         rank_W = (rank_SW.sum(0) / n).numpy()
