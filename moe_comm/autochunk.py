@@ -42,6 +42,7 @@ class PipelinePlan:
     overlap_efficiency: float      # eta: share of the ideal overlap this machine delivers (measured)
     bytes_per_a2a: int             # bytes one rank sends in the dispatch (largest over ranks)
     predicted_s: Dict[int, float] = field(default_factory=dict)  # C -> predicted fwd+bwd time
+    measured_s: Dict[int, float] = field(default_factory=dict)   # C -> measured forward (shortlist trials)
     reason: str = ""
 
     def as_dict(self) -> Dict:

@@ -9,6 +9,7 @@ One token's path: make_layout -> permute (rows grouped by chunk, dest rank, loca
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
@@ -20,6 +21,7 @@ from . import ops
 from .comm import all_to_all_v, exchange_counts, group_rank, group_size, resolve_group
 from .autochunk import PipelinePlan, choose_num_chunks, measure_alpha_beta, measure_overlap
 from .layout import Layout
+from .pipeline import _now
 from .profiling import Timeline
 from .workspace import Workspace
 
@@ -145,7 +147,7 @@ class Dispatcher:
         self.timeline = Timeline(rank=self.rank)  # disabled: records nothing until enabled
         self.workspace = Workspace()  # persistent buffers for the dispatch path's temporaries
         self.plans: Dict[tuple, PipelinePlan] = {}  # num_chunks="auto": (H, dtype) -> plan
-        self._auto_calls: Dict[tuple, int] = {}
+        self._auto: Dict[tuple, dict] = {}  # num_chunks="auto" in progress: calls, trial order, times
 
     # ---------------------------------------------------------------- planning
     def _check_inputs(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor) -> None:
@@ -325,15 +327,11 @@ class Dispatcher:
         """
         from .pipeline import run_pipeline
 
-        C, measure = self.num_chunks if num_chunks is None else num_chunks, False
+        C, measure, trial = self.num_chunks if num_chunks is None else num_chunks, False, False
         if C == "auto":
-            # Call 1 runs unchunked as a warm-up (lazy inits, kernel builds), call 2 unchunked and
-            # timed; then C is chosen once per (H, dtype) and kept.
             key = (x_TH.shape[-1], x_TH.dtype)
-            plan = self.plans.get(key)
-            if plan is None:
-                self._auto_calls[key] = self._auto_calls.get(key, 0) + 1
-            C, measure = (1, self._auto_calls[key] >= 2) if plan is None else (plan.num_chunks, False)
+            C, measure, trial = self._auto_step(key)
+        t_start = _now(x_TH.device) if trial else 0.0
         tl = self.timeline
         handle = self._plan(x_TH, topk_idx_TK, num_chunks=C)
         with tl.compute("permute"):
@@ -345,11 +343,48 @@ class Dispatcher:
             self._make_plan(x_TH, handle, expert_s, expert_fn)
         with tl.compute("unpermute"):
             y_TH = ops.unpermute(y_NH, handle.layout, topk_weight_TK, backend=self.backend)
+        if trial:
+            self._record_trial(key, _now(x_TH.device) - t_start)
         return y_TH if side_fn is None else (y_TH, side_out)
+
+    # ---------------------------------------------------------------- num_chunks="auto"
+    # Call 1 runs unchunked as a warm-up (lazy inits, kernel builds); call 2 unchunked with the
+    # experts timed, after which the model (autochunk.py) shortlists C = 1, its choice with the
+    # measured overlap efficiency and its choice with perfect overlap; the next calls try each
+    # shortlisted C twice, interleaved, and the fastest (slowest rank, best of two) is kept for
+    # good, per (H, dtype). Every rank takes the same steps, so all agree on C.
+    def _auto_step(self, key):
+        """(C, measure_experts, timed_trial) for this auto call."""
+        if key in self.plans:
+            return self.plans[key].num_chunks, False, False
+        st = self._auto.setdefault(key, {"calls": 0, "order": None, "times": [], "model": None})
+        st["calls"] += 1
+        if st["order"] is None:
+            return 1, st["calls"] >= 2, False
+        return st["order"][len(st["times"])], False, True
+
+    def _record_trial(self, key, seconds: float) -> None:
+        st = self._auto[key]
+        st["times"].append(seconds)
+        if len(st["times"]) < len(st["order"]):
+            return
+        t = torch.tensor(st["times"], dtype=torch.float64)
+        if self.group is not None and self.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        best_of = {}
+        for C, sec in zip(st["order"], t.tolist()):  # host sync: none, a CPU tensor
+            best_of[C] = min(best_of.get(C, float("inf")), sec)
+        chosen = min(best_of, key=lambda C: (best_of[C], C))
+        model: PipelinePlan = st["model"]
+        tried = ", ".join(f"C={C} {sec * 1e3:.1f} ms" for C, sec in sorted(best_of.items()))
+        self.plans[key] = dataclasses.replace(
+            model, num_chunks=chosen, measured_s=best_of,
+            reason=f"C={chosen}: fastest forward of the shortlist ({tried}); model: {model.reason}")
+        del self._auto[key]
 
     @property
     def plan(self) -> Optional[PipelinePlan]:
-        """The most recent num_chunks="auto" plan (None before the first auto call)."""
+        """The most recent final num_chunks="auto" plan (None until the trials are done)."""
         return next(reversed(self.plans.values()), None)
 
     def _make_plan(self, x_TH: torch.Tensor, handle: DispatchHandle, expert_s: float, expert_fn: Callable) -> None:
@@ -367,8 +402,15 @@ class Dispatcher:
         expert_max, bytes_max, kappa_max = stats.tolist()  # host sync: none, a CPU tensor
         # eta: probed with a message of one chunk of a 4-deep pipeline (what overlap would move).
         eta = measure_overlap(self.group, x_TH.device, int(bytes_max // 4))
-        self.plans[(x_TH.shape[-1], x_TH.dtype)] = choose_num_chunks(expert_max, bytes_max, alpha, beta, kappa_max,
-                                                                     overlap=eta)
+        model = choose_num_chunks(expert_max, bytes_max, alpha, beta, kappa_max, overlap=eta)
+        ideal = choose_num_chunks(expert_max, bytes_max, alpha, beta, kappa_max, overlap=1.0)
+        shortlist = sorted({1, model.num_chunks, ideal.num_chunks})
+        if len(shortlist) == 1:  # nothing to try: the model says C = 1 either way
+            self.plans[(x_TH.shape[-1], x_TH.dtype)] = model
+            del self._auto[(x_TH.shape[-1], x_TH.dtype)]
+            return
+        st = self._auto[(x_TH.shape[-1], x_TH.dtype)]
+        st["order"], st["model"] = shortlist * 2, model
 
     def _chunk_overhead(self, x_TH: torch.Tensor, handle: DispatchHandle, expert_fn: Callable) -> float:
         """Seconds one more chunk costs beyond its rows: experts on one row each plus a regroup."""
