@@ -144,7 +144,8 @@ def _print(summaries):
     for s in summaries:
         print(f"{s['link']:>8} W={s['world_size']}: bare GEMMs {s['bare_gemm_s'] * 1e3:.1f} ms, raw a2a "
               f"{s['raw_a2a_s'] * 1e3:.1f} ms (comm/compute {s['comm_over_compute']:.2f}); best C={s['best_C']}"
-              f" {s['best_step_s'] * 1e3:.1f} ms; auto/best {s['auto_vs_best']:.3f}")
+              f" {s['best_step_s'] * 1e3:.1f} ms; auto/best "
+              + ("n/a" if s["auto_vs_best"] is None else f"{s['auto_vs_best']:.3f}"))
 
 
 def main(argv=None):
