@@ -258,17 +258,22 @@ def _positive(v: str) -> int:
     return n
 
 
+def _add_layer_args(sp, *, world_size: int, tokens: int, hidden: int, ffn: int, experts: int, top_k: int) -> None:
+    """The single-valued layer-shape flags shared by demo and profile."""
+    sp.add_argument("--world-size", type=_positive, default=world_size, help="gloo ranks to spawn (ignored under torchrun)")
+    sp.add_argument("--tokens", type=_positive, default=tokens, help="tokens per rank (T)")
+    sp.add_argument("--hidden", type=_positive, default=hidden, help="hidden size (H)")
+    sp.add_argument("--ffn", type=_positive, default=ffn, help="expert FFN size (F)")
+    sp.add_argument("--experts", type=_positive, default=experts, help="experts across the group (E)")
+    sp.add_argument("--top-k", type=_positive, default=top_k, help="experts per token (K)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-comm", description="Expert-parallel MoE communication tools.")
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="multi-rank CPU dispatch demo: self-check, throughput vs raw all-to-all, layer step",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    d.add_argument("--world-size", type=_positive, default=4, help="gloo ranks to spawn (ignored under torchrun)")
-    d.add_argument("--tokens", type=_positive, default=4096, help="tokens per rank (T)")
-    d.add_argument("--hidden", type=_positive, default=1024, help="hidden size (H)")
-    d.add_argument("--ffn", type=_positive, default=512, help="expert FFN size (F)")
-    d.add_argument("--experts", type=_positive, default=16, help="experts across the group (E)")
-    d.add_argument("--top-k", type=_positive, default=2, help="experts per token (K)")
+    _add_layer_args(d, world_size=4, tokens=4096, hidden=1024, ffn=512, experts=16, top_k=2)
     d.add_argument("--repeats", type=_positive, default=10, help="timed repeats (median reported)")
     d.add_argument("--seed", type=int, default=0, help="routing seed")
     d.add_argument("--json", default=None, help="also write the figures to this JSON file")
@@ -304,12 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "costliest collective, hidden vs exposed, bandwidth- or latency-bound, slow "
                                     "ranks vs expert load, and one suggestion with its predicted gain. Writes "
                                     "trace.json (Perfetto), timeline.png and profile.json into --out.")
-    pr.add_argument("--world-size", type=_positive, default=2, help="gloo ranks to spawn (ignored under torchrun)")
-    pr.add_argument("--tokens", type=_positive, default=1024, help="tokens per rank (T)")
-    pr.add_argument("--hidden", type=_positive, default=256, help="hidden size (H)")
-    pr.add_argument("--ffn", type=_positive, default=512, help="expert FFN size (F)")
-    pr.add_argument("--experts", type=_positive, default=8, help="experts across the group (E)")
-    pr.add_argument("--top-k", type=_positive, default=2, help="experts per token (K)")
+    _add_layer_args(pr, world_size=2, tokens=1024, hidden=256, ffn=512, experts=8, top_k=2)
     pr.add_argument("--num-chunks", type=_positive, default=1, help="pipeline chunks (C)")
     pr.add_argument("--steps", type=_positive, default=3, help="profiled forward+backward steps")
     pr.add_argument("--warmup", type=int, default=2, help="untimed steps first")
