@@ -28,7 +28,12 @@ from .workspace import Workspace
 __all__ = ["Dispatcher", "DispatchOutput", "DispatchHandle", "ChunkPlan"]
 
 _call_ids = itertools.count()
-_STATUS = 3  # status words after the counts: [invalid expert ids, non-finite rows (strict), input rejected]
+# Status words after the counts: invalid expert ids, non-finite rows (strict), input rejected,
+# row bytes, dtype code, num_experts (-1: unknown on a rank that rejected its input).
+_STATUS = 6
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_DTYPE_CODES = {dt: i + 1 for i, dt in enumerate(_DTYPES)}
+_DTYPE_NAMES = {i + 1: str(dt).replace("torch.", "") for i, dt in enumerate(_DTYPES)}
 
 
 @dataclass
@@ -146,8 +151,9 @@ class Dispatcher:
         self.timeout = timeout
         self.timeline = Timeline(rank=self.rank)  # disabled: records nothing until enabled
         self.workspace = Workspace()  # persistent buffers for the dispatch path's temporaries
-        self.plans: Dict[tuple, PipelinePlan] = {}  # num_chunks="auto": (H, dtype) -> plan
-        self._auto: Dict[tuple, dict] = {}  # num_chunks="auto" in progress: calls, trial order, times
+        self.plans: Dict[str, PipelinePlan] = {}  # num_chunks="auto": the plan, chosen once per Dispatcher
+        self._auto: Dict[str, dict] = {}  # num_chunks="auto" in progress: calls, trial order, times
+        self._last_auto_C = 1
 
     # ---------------------------------------------------------------- planning
     def _check_inputs(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor) -> None:
@@ -165,27 +171,32 @@ class Dispatcher:
         if topk_idx_TK.device != x_TH.device:
             raise ValueError(f"topk_idx_TK must be on x_TH's device {x_TH.device}, got {topk_idx_TK.device}")
 
-    def _plan(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_chunks: int) -> DispatchHandle:
+    def _plan(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, num_chunks: int,
+              local_error: Optional[Exception] = None) -> DispatchHandle:
         W, e, C = self.world_size, self.num_local_experts, num_chunks
         tl = self.timeline
         # A rank whose input is rejected still joins the counts exchange (with zero counts and an
         # error flag): every rank then raises, instead of the others hanging in the all-to-all.
-        local_error, layout = None, None
-        try:
-            self._check_inputs(x_TH, topk_idx_TK)
-            with tl.compute("layout"):
-                layout = ops.make_layout(topk_idx_TK, self.num_experts, num_ranks=W, num_chunks=C,
-                                         backend=self.backend)
-        except (TypeError, ValueError) as err:
-            local_error = err
+        layout = None
+        if local_error is None:
+            try:
+                self._check_inputs(x_TH, topk_idx_TK)
+                with tl.compute("layout"):
+                    layout = ops.make_layout(topk_idx_TK, self.num_experts, num_ranks=W, num_chunks=C,
+                                             backend=self.backend)
+            except (TypeError, ValueError) as err:
+                local_error = err
         device = x_TH.device if isinstance(x_TH, torch.Tensor) else torch.device("cpu")
         if layout is None:
             counts_CWe = torch.zeros(C, W, e, dtype=torch.int64, device=device)
-            status = torch.tensor([0, 0, 1], dtype=torch.int64, device=device)
+            status = torch.tensor([0, 0, 1, -1, -1, self.num_experts], dtype=torch.int64, device=device)
         else:
             counts_CWe = layout.counts_CWe
             nonfinite = (~torch.isfinite(x_TH)).any(1).sum() if self.strict else torch.zeros_like(layout.num_invalid)
-            status = torch.stack([layout.num_invalid, nonfinite, torch.zeros_like(nonfinite)]).to(torch.int64)
+            row = torch.tensor([x_TH.shape[1] * x_TH.element_size(), _DTYPE_CODES.get(x_TH.dtype, 0),
+                                self.num_experts], dtype=torch.int64, device=device)
+            status = torch.cat([torch.stack([layout.num_invalid, nonfinite, torch.zeros_like(nonfinite)]).to(torch.int64),
+                                row])
         # Row w of send goes to rank w: its counts for every chunk, then this rank's status words
         # (invalid expert ids, non-finite rows in strict mode, input rejected), so every rank learns
         # of a bad input in the exchange that happens anyway, and all raise the same error.
@@ -206,6 +217,13 @@ class Dispatcher:
                                         "input, every rank raised, no tokens were sent]") from local_error
             raise ValueError(f"EP rank(s) {bad} rejected their input (their error says why); every rank "
                              "raised, no tokens were sent")
+        for col, what in ((3, "row bytes (H x element size)"), (4, "dtype"), (5, "num_experts")):
+            seen = {status_W[w][col] for w in range(W) if status_W[w][col] >= 0}
+            if len(seen) > 1:  # rows travel as bytes: a mismatch would be garbage or a gloo abort
+                by = {v: [w for w in range(W) if status_W[w][col] == v] for v in sorted(seen)}
+                names = {v: _DTYPE_NAMES.get(v, v) for v in by} if col == 4 else {v: v for v in by}
+                raise ValueError(f"EP ranks disagree on the {what}: " + ", ".join(
+                    f"{names[v]} on ranks {rs}" for v, rs in by.items()) + "; no tokens were sent")
         bad = [w for w in range(W) if status_W[w][0] > 0]
         if bad:
             raise ValueError(
@@ -327,10 +345,11 @@ class Dispatcher:
         """
         from .pipeline import run_pipeline
 
-        C, measure, trial = self.num_chunks if num_chunks is None else num_chunks, False, False
+        C, measure, trial, key = self.num_chunks if num_chunks is None else num_chunks, False, False, "auto"
         if C == "auto":
-            key = (x_TH.shape[-1], x_TH.dtype)
             C, measure, trial = self._auto_step(key)
+        elif isinstance(C, bool) or not isinstance(C, int) or C < 1:
+            raise ValueError(f"num_chunks must be an int >= 1 (the same on every rank), got {C!r}")
         t_start = _now(x_TH.device) if trial else 0.0
         tl = self.timeline
         handle = self._plan(x_TH, topk_idx_TK, num_chunks=C)
@@ -347,6 +366,17 @@ class Dispatcher:
             self._record_trial(key, _now(x_TH.device) - t_start)
         return y_TH if side_fn is None else (y_TH, side_out)
 
+    def fail(self, error: Exception, num_chunks: Optional[int] = None, device=None):
+        """Reject this rank's input collectively: join the counts exchange with an error flag so every
+        rank raises (naming this one) instead of waiting in the all-to-all. Always raises.
+        device: where the counts live (the group's device: CUDA for NCCL)."""
+        C = self.num_chunks if num_chunks is None else num_chunks
+        if C == "auto":
+            C = self._auto_step("auto")[0]
+        self._plan(torch.empty(0, device=device) if device is not None else None, None, num_chunks=C,
+                   local_error=error)
+        raise error  # not reached: _plan raises on every rank
+
     # ---------------------------------------------------------------- num_chunks="auto"
     # Call 1 runs unchunked as a warm-up (lazy inits, kernel builds); call 2 unchunked with the
     # experts timed, after which the model (autochunk.py) shortlists C = 1, its choice with the
@@ -357,11 +387,17 @@ class Dispatcher:
         """(C, measure_experts, timed_trial) for this auto call."""
         if key in self.plans:
             return self.plans[key].num_chunks, False, False
+        if torch._C._current_graph_task_id() != -1:
+            # Inside backward (activation checkpointing recomputes the forward): repeat the C of the
+            # forward being recomputed and leave the tuning state alone, identically on every rank.
+            return self._last_auto_C, False, False
         st = self._auto.setdefault(key, {"calls": 0, "order": None, "times": [], "model": None})
         st["calls"] += 1
         if st["order"] is None:
+            self._last_auto_C = 1
             return 1, st["calls"] >= 2, False
-        return st["order"][len(st["times"])], False, True
+        self._last_auto_C = st["order"][len(st["times"])]
+        return self._last_auto_C, False, True
 
     def _record_trial(self, key, seconds: float) -> None:
         st = self._auto[key]
@@ -406,10 +442,10 @@ class Dispatcher:
         ideal = choose_num_chunks(expert_max, bytes_max, alpha, beta, kappa_max, overlap=1.0)
         shortlist = sorted({1, model.num_chunks, ideal.num_chunks})
         if len(shortlist) == 1:  # nothing to try: the model says C = 1 either way
-            self.plans[(x_TH.shape[-1], x_TH.dtype)] = model
-            del self._auto[(x_TH.shape[-1], x_TH.dtype)]
+            self.plans["auto"] = model
+            del self._auto["auto"]
             return
-        st = self._auto[(x_TH.shape[-1], x_TH.dtype)]
+        st = self._auto["auto"]
         st["order"], st["model"] = shortlist * 2, model
 
     def _chunk_overhead(self, x_TH: torch.Tensor, handle: DispatchHandle, expert_fn: Callable) -> float:

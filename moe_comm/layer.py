@@ -101,6 +101,8 @@ class MoELayer(nn.Module):
             ``finish_bias_update()``, which ``state_dict()`` calls): no host sync, identical on every rank.
             It counts forwards, not optimizer steps: with gradient accumulation over n micro-batches,
             divide the rate by n. Under activation checkpointing, recomputation is another forward.
+        strict, timeout: passed to the Dispatcher: reject NaN/Inf inputs on every rank; seconds before
+            a stuck all-to-all raises CollectiveError naming the phase and chunk.
 
     The router weight is replicated: it is broadcast from EP rank 0 at construction, and its
     gradient holds the local tokens' contribution only; all-reduce it over the data-parallel
@@ -116,7 +118,8 @@ class MoELayer(nn.Module):
 
     def __init__(self, cfg: MoEConfig, ep_group: Optional[dist.ProcessGroup] = None, *, backend: str = "auto",
                  seed: Optional[int] = None, device=None, dtype=None,
-                 monitor: Union[bool, dict, LoadMonitor, None] = True, bias_update_rate: float = 0.0):
+                 monitor: Union[bool, dict, LoadMonitor, None] = True, bias_update_rate: float = 0.0,
+                 strict: bool = False, timeout: Optional[float] = None):
         super().__init__()
         if not isinstance(cfg, MoEConfig):
             raise TypeError(f"cfg must be a MoEConfig, got {type(cfg).__name__}")
@@ -147,7 +150,8 @@ class MoELayer(nn.Module):
         if cfg.num_shared_experts:
             self.shared_experts = SwiGLU(cfg.hidden_size, cfg.shared_ffn_size, seed=seed - 1,
                                          device=device, dtype=dtype)
-        self.dispatcher = Dispatcher(cfg.num_experts, self.ep_group, cfg.num_chunks, backend=backend)
+        self.dispatcher = Dispatcher(cfg.num_experts, self.ep_group, cfg.num_chunks, backend=backend,
+                                     strict=strict, timeout=timeout)
         self.aux_loss: Optional[torch.Tensor] = None
         # Placement state (apply_placement): host phys_to_logical, and device tables for the forward.
         self._placement: Optional[Placement] = None
@@ -342,19 +346,25 @@ class MoELayer(nn.Module):
         return sync_replica_grads(params, self.experts.expert_ids, self._phys_to_logical, group)
 
     # -------------------------------------------------------------------------------------- forward
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., H] -> [..., H], same dtype. Sets ``self.aux_loss``; feeds ``self.monitor``."""
+    def _check_input(self, x) -> Optional[Exception]:
         H = self.cfg.hidden_size
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+            return TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() < 1 or x.shape[-1] != H:
-            raise ValueError(f"x must have last dimension hidden_size={H}, got shape {tuple(x.shape)}")
+            return ValueError(f"x must have last dimension hidden_size={H}, got shape {tuple(x.shape)}")
         if x.dtype != self.experts.w1.dtype:
-            raise TypeError(f"x must have the experts' dtype {self.experts.w1.dtype}, got {x.dtype}")
+            return TypeError(f"x must have the experts' dtype {self.experts.w1.dtype}, got {x.dtype}")
         if x.device != self.experts.w1.device:
-            raise ValueError(f"x must be on the layer's device {self.experts.w1.device}, got {x.device}")
+            return ValueError(f"x must be on the layer's device {self.experts.w1.device}, got {x.device}")
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., H] -> [..., H], same dtype. Sets ``self.aux_loss``; feeds ``self.monitor``."""
+        error = self._check_input(x)
+        if error is not None:  # every rank raises with it (through the counts exchange): no hang
+            self.dispatcher.fail(error, device=self.experts.w1.device)
         self.finish_bias_update()
-        x_TH = x.reshape(-1, H).contiguous()  # one layout for every view: the same bits as a contiguous x
+        x_TH = x.reshape(-1, self.cfg.hidden_size).contiguous()  # one layout for every view: the same bits as a contiguous x
         with self.timeline.compute("router"):
             routing = self.router(x_TH)
             route_TK = routing.topk_idx_TK

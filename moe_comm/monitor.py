@@ -255,7 +255,8 @@ class LoadMonitor:
             raise TypeError(f"tokens_per_expert_E must be an integer tensor, got {tokens_per_expert_E.dtype}")
         device = tokens_per_expert_E.device
         if self._device is None:
-            self._alloc(device)
+            with torch.inference_mode(False):  # state made in an eval step must stay writable in training
+                self._alloc(device)
         elif device != self._device:
             raise ValueError(f"tokens_per_expert_E is on {device}, but the monitor's state is on {self._device}")
         if isinstance(dropped, torch.Tensor):

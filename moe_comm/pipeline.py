@@ -12,7 +12,9 @@ collectives in the same order (chunk-major), so the schedule cannot deadlock wha
 The experts' own backward runs as a nested ``torch.autograd.backward`` per chunk (as reentrant
 activation checkpointing does): any differentiable ``expert_fn`` gets correct gradients, which are
 accumulated into ``.grad`` of the leaves it uses. Consequently ``torch.autograd.grad(loss, params)``
-does not return expert-parameter gradients; use ``loss.backward()``.
+does not return expert-parameter gradients (and ``torch.autograd.grad(loss, [x])`` still accumulates
+them into ``.grad``); use ``loss.backward()``. Double backward (``create_graph=True``) and a second
+backward through the same forward raise a RuntimeError instead of returning wrong gradients.
 
 Determinism: the same inputs give bit-identical outputs and gradients run to run (fixed collective
 order, fixed-order slot sums, no atomics on CPU). Different chunk counts agree only to rounding: each
@@ -22,6 +24,7 @@ by chunk. cuBLAS behaves the same way.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
@@ -48,6 +51,17 @@ class _Run:
     expert_s: float = 0.0
     side_out: Optional[torch.Tensor] = None
     expert_io: List = field(default_factory=list)  # per chunk: (tokens_in_RH leaf, out_RH)
+
+
+@contextlib.contextmanager
+def _abandon_buffers_on_error(d):
+    """On any error mid-schedule, drop the workspace: transfers already issued may still write into
+    its buffers (their Work keeps them alive), so the next call must not reuse them."""
+    try:
+        yield
+    except BaseException:
+        d.workspace.clear()
+        raise
 
 
 def _chunk_regions(d, chunks, like: torch.Tensor, name: str) -> list:
@@ -87,6 +101,16 @@ def _now(device: torch.device) -> float:
 class _PipelinedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_NH: torch.Tensor, anchor: Optional[torch.Tensor], run: _Run) -> torch.Tensor:
+        with _abandon_buffers_on_error(run.dispatcher):
+            return _PipelinedExperts._forward(ctx, x_NH, run)
+
+    @staticmethod
+    def backward(ctx, grad_y_NH: torch.Tensor):
+        with _abandon_buffers_on_error(ctx.run.dispatcher):
+            return _PipelinedExperts._backward(ctx, grad_y_NH)
+
+    @staticmethod
+    def _forward(ctx, x_NH: torch.Tensor, run: _Run) -> torch.Tensor:
         d, handle = run.dispatcher, run.handle
         tl = d.timeline
         chunks = handle.chunks
@@ -136,12 +160,16 @@ class _PipelinedExperts(torch.autograd.Function):
         return y_NH
 
     @staticmethod
-    def backward(ctx, grad_y_NH: torch.Tensor):
+    def _backward(ctx, grad_y_NH: torch.Tensor):
         run: _Run = ctx.run
         d, chunks = run.dispatcher, run.handle.chunks
         tl = d.timeline
-        if not run.expert_io:
-            raise RuntimeError("moe_comm pipeline: backward called on a forward run without grad enabled")
+        if not run.expert_io or any(io is None for io in run.expert_io):
+            raise RuntimeError("moe_comm pipeline: backward ran twice through the same forward (retain_graph), or "
+                               "the forward ran without grad; neither is supported: run the forward again")
+        if torch.is_grad_enabled():
+            raise RuntimeError("moe_comm pipeline: double backward (create_graph=True) is not supported: the "
+                               "experts' gradient is computed by a nested backward")
         impl = select_backend(d.backend, grad_y_NH.device)
         grad_y_NH = grad_y_NH.contiguous()
         grad_x_NH = torch.empty_like(grad_y_NH)

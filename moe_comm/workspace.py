@@ -22,10 +22,11 @@ class Workspace:
     """
 
     def __init__(self) -> None:
-        self._bufs: Dict[Tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+        self._bufs: Dict[Tuple[str, torch.dtype, torch.device, bool], torch.Tensor] = {}
 
     def rows(self, name: str, num_rows: int, width: int, like: torch.Tensor) -> torch.Tensor:
-        key = (name, like.dtype, like.device)
+        # Buffers made under inference_mode are inference tensors that training may not write: keyed apart.
+        key = (name, like.dtype, like.device, torch.is_inference_mode_enabled())
         numel = num_rows * width
         buf = self._bufs.get(key)
         if buf is None or buf.numel() < numel:

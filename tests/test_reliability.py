@@ -229,3 +229,76 @@ def test_combine_rejects_foreign_handles_and_wrong_rows():
     with pytest.raises(ValueError, match="topk_weight_TK must have shape"):
         a.combine(out.tokens, w[:, :1], out.handle)
     torch.testing.assert_close(a.combine(out.tokens, w, out.handle), 2 * x)
+
+
+def _rank_layer_bad_input(rank, world_size):
+    torch.manual_seed(0)
+    layer = moe_comm.MoELayer(moe_comm.MoEConfig(hidden_size=H, ffn_hidden_size=16, num_experts=4, top_k=2,
+                                                 num_chunks="auto"), seed=1, timeout=30)
+    x, _ = _good(rank)
+    errors = []
+    for bad in (x.double(), x[:, :5], "not a tensor"):
+        try:
+            layer(bad if rank == world_size - 1 else x)
+            errors.append(None)
+        except (TypeError, ValueError) as e:
+            errors.append(str(e))
+    y = layer(x)  # the layer and the group still work
+    return errors, bool(torch.isfinite(y).all())
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_layer_input_error_on_one_rank_raises_everywhere(ranks, world_size):
+    res = ranks(world_size).run(_rank_layer_bad_input, timeout=90)
+    bad = world_size - 1
+    for rank, (errors, ok) in enumerate(res):
+        assert ok and all(e is not None and f"[{bad}]" in e for e in errors), (rank, errors)
+    assert "experts' dtype" in res[bad][0][0] and "hidden_size=8" in res[bad][0][1]
+
+
+def _rank_mismatch(rank, world_size, what):
+    d = moe_comm.Dispatcher(num_experts=4)
+    x, idx = _good(rank)
+    if rank == 1 and what == "hidden":
+        x = x[:, :6].contiguous()
+    if rank == 1 and what == "dtype":
+        x = x.to(torch.float16)
+    if rank == 0 and what == "dtype":
+        x = x.to(torch.bfloat16)
+    try:
+        d.dispatch(x, idx)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("what,needle", [("hidden", "row bytes (H x element size): 24 on ranks [1], 32 on ranks [0]"),
+                                         ("dtype", "dtype: float16 on ranks [1], bfloat16 on ranks [0]")])
+def test_rows_of_different_size_or_dtype_raise_everywhere(ranks, what, needle):
+    for e in ranks(2).run(_rank_mismatch, what):
+        assert e is not None and needle in e, e
+
+
+def test_inference_mode_then_training():
+    """Tier 1: buffers made under inference_mode are not reused by a training step."""
+    layer = moe_comm.MoELayer(moe_comm.MoEConfig(hidden_size=H, ffn_hidden_size=16, num_experts=4, top_k=2))
+    x = torch.randn(6, H)
+    with torch.inference_mode():
+        layer(x)
+    layer(x.requires_grad_(True)).sum().backward()
+    assert x.grad is not None
+
+
+def test_double_backward_and_second_backward_raise():
+    """Tier 1: unsupported autograd uses fail loudly instead of returning wrong gradients."""
+    layer = moe_comm.MoELayer(moe_comm.MoEConfig(hidden_size=H, ffn_hidden_size=16, num_experts=4, top_k=2))
+    x = torch.randn(6, H, requires_grad=True)
+    y = layer(x).square().sum()
+    y.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        y.backward()
+    y2 = layer(x).square().sum()
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(y2, x, create_graph=True)
