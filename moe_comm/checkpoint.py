@@ -24,7 +24,7 @@ def full_state_dict(module: nn.Module, ep_group: Optional[dist.ProcessGroup] = N
     Replicated entries are taken from EP rank 0.
     """
     group = resolve_group(ep_group)
-    local = {k: v.detach().cpu() for k, v in module.state_dict().items()}
+    local = {k: v.detach().cpu() for k, v in module.state_dict().items()}  # host sync: checkpointing copies to CPU
     if group_size(group) == 1:
         return local
     gathered = [None] * group_size(group)

@@ -84,7 +84,7 @@ def check_placement(placement, num_experts: int, num_ranks: int) -> List[int]:
                          f"got {placement.num_experts}")
     if placement.num_ranks != num_ranks:
         raise ValueError(f"placement.num_ranks must equal the EP world size ({num_ranks}), got {placement.num_ranks}")
-    p2l = [int(g) for g in placement.phys_to_logical.tolist()]  # host: a CPU tensor, not a device sync
+    p2l = [int(g) for g in placement.phys_to_logical.tolist()]  # host sync: none, a CPU tensor
     P = len(p2l)
     if P % num_ranks:
         raise ValueError(f"placement.phys_to_logical length ({P}) must be divisible by the EP world size ({num_ranks})")

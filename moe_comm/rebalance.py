@@ -79,20 +79,20 @@ class Placement:
     def experts_on_rank(self, rank: int) -> List[int]:
         """Logical ids held by ``rank``, in local slot order."""
         S = self.slots_per_rank
-        return self.phys_to_logical[rank * S:(rank + 1) * S].tolist()
+        return self.phys_to_logical[rank * S:(rank + 1) * S].tolist()  # host sync: planner works on CPU tensors
 
     def to_dict(self) -> Dict[str, object]:
         """JSON-ready dict of every field."""
         return {
             "num_experts": self.num_experts, "num_ranks": self.num_ranks, "num_replicas": self.num_replicas,
             "slots_per_rank": self.slots_per_rank,
-            "phys_to_logical": self.phys_to_logical.tolist(),
+            "phys_to_logical": self.phys_to_logical.tolist(),  # host sync: planner works on CPU tensors
             "logical_to_physical": [list(s) for s in self.logical_to_physical],
-            "replica_count": self.replica_count.tolist(),
-            "expert_load": self.expert_load.tolist(),
-            "predicted_rank_load": self.predicted_rank_load.tolist(),
+            "replica_count": self.replica_count.tolist(),  # host sync: planner works on CPU tensors
+            "expert_load": self.expert_load.tolist(),  # host sync: planner works on CPU tensors
+            "predicted_rank_load": self.predicted_rank_load.tolist(),  # host sync: planner works on CPU tensors
             "max_over_mean": self.max_over_mean,
-            "baseline_rank_load": self.baseline_rank_load.tolist(),
+            "baseline_rank_load": self.baseline_rank_load.tolist(),  # host sync: planner works on CPU tensors
             "baseline_max_over_mean": self.baseline_max_over_mean,
         }
 
@@ -122,7 +122,7 @@ def rank_loads(phys_to_logical: Union[torch.Tensor, Sequence[int]], load_E, num_
     """[W] float64 load of each rank when ``load_E`` ([E] or [L, E]: summed over L) is split evenly over
     the replicas in ``phys_to_logical`` ([P], slot p on rank p // (P / W)).
     Example: phys_to_logical [0, 1, 0, 2], load [6, 1, 1], W=2 -> [3 + 1, 3 + 1] = [4, 4]."""
-    p2l = np.asarray(phys_to_logical.tolist() if isinstance(phys_to_logical, torch.Tensor) else phys_to_logical,
+    p2l = np.asarray(phys_to_logical.tolist() if isinstance(phys_to_logical, torch.Tensor) else phys_to_logical,  # host sync: planner works on CPU tensors
                      dtype=np.int64)
     load = _as_history(load_E).sum(0)
     E, P = load.shape[0], p2l.shape[0]
