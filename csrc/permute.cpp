@@ -319,7 +319,7 @@ at::Tensor unpermute_weight_grad(const at::Tensor& grad_TH, const at::Tensor& y_
 
 // Counting sort of the slots by key = chunk * E + expert (dropped and invalid slots: key C*E, last):
 // histogram of keys, exclusive prefix sum, then stable placement in slot order s = t*K + k.
-// Chunk of token t is t*C/T. Returns (dest_row_TK, src_slot_S, counts_CE, num_invalid), equal to
+// Chunk of token t is min(C-1, (2t(C-1) + T) / 2T): first and last chunk half-size (layout.py). Returns (dest_row_TK, src_slot_S, counts_CE, num_invalid), equal to
 // layout_reference. Serial: the S int64 keys are a few hundred KB, far below the permute traffic.
 // Example (E=2, C=1): topk_idx_TK = [[1, 0], [0, -1]] -> keys [1, 0, 0, 2], counts [2, 1, (1 dropped)]
 //   offsets [0, 2, 3] -> dest_row_TK = [[2, 0], [1, -1]], src_slot_S = [1, 2, 0, 3]
@@ -344,7 +344,7 @@ std::vector<at::Tensor> make_layout(const at::Tensor& topk_idx_TK, int64_t num_e
   int64_t invalid = 0;
 
   for (int64_t t = 0; t < T; ++t) {  // pass 1: keys and histogram
-    const int64_t chunk = t * C / T;
+    const int64_t chunk = std::min(C - 1, (2 * t * (C - 1) + T) / (2 * T));
     for (int64_t k = 0; k < K; ++k) {
       const int64_t s = t * K + k, e = idx[s];
       const bool valid = e >= 0 && e < E;

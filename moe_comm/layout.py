@@ -5,8 +5,11 @@ E experts (global), W EP ranks, e = E / W local experts, C chunks.
 
 Permuted row order is (chunk, destination rank, local expert), stable in slot order
 (slot s = t*K + k). Global expert g lives on rank g // e as local expert g % e, so sorting by
-(chunk, g) is exactly that order. Token t belongs to chunk (t * C) // T: contiguous, balanced token
-ranges, independent of the routing.
+(chunk, g) is exactly that order. Token t belongs to chunk min(C - 1, (2t(C - 1) + T) // 2T): contiguous
+token ranges, independent of the routing, with the first and last chunk half as long as the others
+(C >= 3). The pipeline cannot hide the first dispatch nor the last combine; halving those chunks
+halves that fill/drain time (benchmarks/overlap.py, 1 Gbit/s link, 2 ranks, C = 4: step 1.22x -> 1.12x
+of max(T_compute, T_comm) against equal chunks).
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["Layout", "make_layout", "layout_reference"]
+__all__ = ["Layout", "make_layout", "layout_reference", "chunk_of_tokens"]
 
 
 @dataclass
@@ -86,6 +89,16 @@ def _check_topk_idx(topk_idx_TK: torch.Tensor) -> torch.Tensor:
     return topk_idx_TK.to(torch.int64).contiguous()
 
 
+def chunk_of_tokens(num_tokens: int, num_chunks: int, device=None) -> torch.Tensor:
+    """[T] int64 chunk of every token: min(C - 1, (2t(C - 1) + T) // 2T).
+
+    Example: T = 8, C = 3 -> [0, 0, 1, 1, 1, 1, 2, 2] (sizes 2, 4, 2); C = 2 -> halves; C = 1 -> all 0.
+    """
+    T, C = num_tokens, num_chunks
+    t = torch.arange(T, device=device, dtype=torch.int64)
+    return torch.clamp((2 * t * (C - 1) + T) // (2 * max(T, 1)), max=C - 1)
+
+
 def layout_reference(topk_idx_TK: torch.Tensor, num_experts: int, num_chunks: int = 1):
     """Pure-torch layout: (dest_row_TK, src_slot_S, counts_CE, num_invalid).
 
@@ -99,7 +112,7 @@ def layout_reference(topk_idx_TK: torch.Tensor, num_experts: int, num_chunks: in
     flat_S = topk_idx_TK.reshape(-1)
     valid_S = (flat_S >= 0) & (flat_S < E)
     num_invalid = ((flat_S < -1) | (flat_S >= E)).sum()
-    chunk_T = torch.arange(T, device=dev, dtype=torch.int64) * C // max(T, 1)
+    chunk_T = chunk_of_tokens(T, C, dev)
     chunk_S = chunk_T.repeat_interleave(K)
     key_S = torch.where(valid_S, chunk_S * E + flat_S, torch.full_like(flat_S, C * E))
     src_slot_S = torch.sort(key_S, stable=True).indices
@@ -119,7 +132,7 @@ def make_layout(topk_idx_TK: torch.Tensor, num_experts: int, *, num_ranks: int =
             Values outside [-1, E) are counted in ``Layout.num_invalid`` and treated as dropped.
         num_experts: E, global experts; must divide by ``num_ranks``.
         num_ranks: W, EP ranks the experts are spread over (expert g on rank g // (E/W)).
-        num_chunks: C, pipeline chunks (token t is in chunk t*C//T).
+        num_chunks: C, pipeline chunks (``chunk_of_tokens``: contiguous, first and last half-size).
         backend: "auto" | "native" | "torch" ("triton" uses the torch layout: the sort is not
             the bottleneck on GPU).
     Example:

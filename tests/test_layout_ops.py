@@ -61,7 +61,7 @@ def _bf_layout(idx, E, W, C):
     dropped = []
     invalid = 0
     for t in range(T):
-        chunk = t * C // T
+        chunk = min(C - 1, (2 * t * (C - 1) + T) // (2 * T))  # first/last chunks half-size
         for k in range(K):
             g, s = idx[t][k], t * K + k
             if g < -1 or g >= E:

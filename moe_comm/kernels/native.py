@@ -204,7 +204,7 @@ def make_layout(topk_idx_TK: torch.Tensor, num_experts: int, num_chunks: int = 1
         topk_idx_TK: [T, K] integer (int64 preferred) global expert ids; -1 means dropped. Values outside
             [-1, E) are counted in ``num_invalid`` and treated as dropped.
         num_experts: E >= 1.
-        num_chunks: C >= 1; token t is in chunk t*C//T.
+        num_chunks: C >= 1; token t is in chunk min(C-1, (2t(C-1) + T) // 2T) (layout.chunk_of_tokens).
     Returns: dest_row_TK [T, K] int64 (-1 = dropped), src_slot_S [T*K] int64 (routed rows first, then
         the dropped slots ascending), counts_CE [C, E] int64, num_invalid [] int64.
     Example (E=2, C=1): topk_idx_TK = [[1, 0], [0, -1]]
