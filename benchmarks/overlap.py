@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,24 +26,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import moe_comm  # noqa: E402
+from moe_comm.bench import slowest_median, timed  # noqa: E402
 from moe_comm.comm import all_to_all_v  # noqa: E402
 from moe_comm.launch import run_ranks  # noqa: E402
 from moe_comm.profiling import overlap_report  # noqa: E402
 
 
-def _median_slowest(samples, group=None) -> float:
-    t = torch.tensor([statistics.median(samples)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t)
-
-
 def _step(layer, x):
-    dist.barrier()
-    t0 = time.perf_counter()
-    y = layer(x)
-    (y.float().square().mean() + layer.aux_loss).backward()
-    dist.barrier()
-    return time.perf_counter() - t0
+    return timed(lambda: (layer(x).float().square().mean() + layer.aux_loss).backward(), None)
 
 
 def _rank_main(rank, world_size, a):
@@ -72,7 +61,7 @@ def _rank_main(rank, world_size, a):
         layer.timeline.enabled = False
         rep = overlap_report(layer.timeline.gather())["overall"]
         point = {"C": C, "chosen_C": layer.pipeline_plan.num_chunks if C == "auto" else C,
-                 "step_s": _median_slowest(times[C]), "T_compute_s": rep["T_compute"], "T_comm_s": rep["T_comm"],
+                 "step_s": slowest_median(times[C], None), "T_compute_s": rep["T_compute"], "T_comm_s": rep["T_comm"],
                  "hidden_s": rep["hidden"], "exposed_s": rep["exposed"],
                  "timeline_overlap_fraction": rep["overlap_fraction"]}
         if C == "auto":
@@ -103,8 +92,8 @@ def _rank_main(rank, world_size, a):
         if i >= a["warmup"]:
             gemm.append(t1 - t0)
             comm.append(t3 - t2)
-    out["bare_gemm_s"] = _median_slowest(gemm)
-    out["raw_a2a_s"] = _median_slowest(comm)
+    out["bare_gemm_s"] = slowest_median(gemm, None)
+    out["raw_a2a_s"] = slowest_median(comm, None)
     return out
 
 

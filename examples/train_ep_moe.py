@@ -23,18 +23,14 @@ the replicated parameters differ between ranks at the end.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
 import sys
-import tempfile
 import time
 from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 try:
@@ -43,6 +39,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import moe_comm
 from moe_comm.checkpoint import full_state_dict
+from moe_comm.launch import run_ranks
 
 IN_FEATURES = 16   # D
 OUT_FEATURES = 8   # O
@@ -241,56 +238,11 @@ def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.de
 
 
 # ---------------------------------------------------------------------------------------- launch
-def _set_threads(ranks_on_this_host: int) -> None:
-    # Ranks share the host's cores: 4 ranks on 2 cores with torch's default threads oversubscribe.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_this_host))
-
-
-def _spawned_rank(rank: int, world_size: int, init_method: str, args: argparse.Namespace, result_path: str):
-    _set_threads(world_size)
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=args.timeout))
-    try:
-        result = train(args, rank, world_size, torch.device("cpu"))
-        if rank == 0:
-            with open(result_path, "w") as f:
-                json.dump(result, f)
-        dist.barrier()  # no rank tears down its gloo pairs while a peer still uses them
-    finally:
-        dist.destroy_process_group()
-
-
-def _launched(args: argparse.Namespace) -> int:
-    """Run under torchrun (RANK / WORLD_SIZE set): NCCL on cuda:LOCAL_RANK when CUDA exists, else gloo."""
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
-    else:
-        _set_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-        device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout),
-                            **({"device_id": device} if device.type == "cuda" else {}))
-    try:
-        result = train(args, rank, world_size, device)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    return 0 if result["ok"] else 1
-
-
-def _spawn(args: argparse.Namespace) -> int:
-    if args.world_size == 1:  # no process group at all: MoELayer runs with W = 1
-        _set_threads(1)
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return 0 if train(args, 0, 1, device)["ok"] else 1
-    with tempfile.TemporaryDirectory(prefix="train_ep_moe_") as tmp:
-        result_path = os.path.join(tmp, "result.json")
-        mp.spawn(_spawned_rank, args=(args.world_size, f"file://{os.path.join(tmp, 'store')}", args, result_path),
-                 nprocs=args.world_size, join=True)  # raises (exit 1) if a rank fails
-        with open(result_path) as f:
-            return 0 if json.load(f)["ok"] else 1
+def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
+    """One rank (spawned gloo rank, or a torchrun rank: NCCL on cuda:LOCAL_RANK when CUDA exists)."""
+    on_cuda = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+    return train(args, rank, world_size, device)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -326,4 +278,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 if __name__ == "__main__":
     _args = parse_args()
-    sys.exit(_launched(_args) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else _spawn(_args))
+    # Spawns --world-size gloo ranks, or joins the group torchrun launched; rank 0's result decides.
+    _result = run_ranks(_rank, _args.world_size, _args, timeout=_args.timeout)
+    sys.exit(0 if _result is None or _result["ok"] else 1)

@@ -14,10 +14,9 @@ from typing import Callable, Dict, List
 import torch
 import torch.distributed as dist
 
-from .comm import all_to_all_v
 from .dispatcher import Dispatcher
 
-__all__ = ["BenchPoint", "measure_dispatch", "self_check_dispatch", "payload", "bench_rank", "grid_points"]
+__all__ = ["timed", "slowest_median", "BenchPoint", "measure_dispatch", "self_check_dispatch", "payload", "bench_rank", "grid_points"]
 
 
 @dataclass
@@ -49,7 +48,8 @@ class BenchPoint:
         return asdict(self)
 
 
-def _timed(fn, group) -> float:
+def timed(fn, group) -> float:
+    """Seconds ``fn`` takes on this rank, bracketed by barriers (collective)."""
     dist.barrier(group=group)
     t0 = time.perf_counter()
     fn()
@@ -57,7 +57,8 @@ def _timed(fn, group) -> float:
     return time.perf_counter() - t0
 
 
-def _slowest_median(samples: List[float], group) -> float:
+def slowest_median(samples: List[float], group) -> float:
+    """The slowest rank's median of ``samples`` (collective: one all_reduce MAX)."""
     t = torch.tensor([statistics.median(samples)], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t)
@@ -140,16 +141,16 @@ def measure_dispatch(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_
     samples = {k: [] for k in ("dispatch", "combine", *phases)}
     for i in range(warmup + repeats):
         holder = {}
-        td = _timed(lambda: holder.setdefault("out", dispatcher.dispatch(x_TH, topk_idx_TK)), group)
+        td = timed(lambda: holder.setdefault("out", dispatcher.dispatch(x_TH, topk_idx_TK)), group)
         o = holder["out"]
-        tc = _timed(lambda: dispatcher.combine(y_RH, topk_weight_TK, o.handle), group)
+        tc = timed(lambda: dispatcher.combine(y_RH, topk_weight_TK, o.handle), group)
         times = {"dispatch": td, "combine": tc}
         for name, fn in phases.items():
-            times[name] = _timed(fn, group)
+            times[name] = timed(fn, group)
         if i >= warmup:
             for k, v in times.items():
                 samples[k].append(v)
-    med = {k: _slowest_median(v, group) for k, v in samples.items()}
+    med = {k: slowest_median(v, group) for k, v in samples.items()}
     d, c, r = med["dispatch"], med["combine"], med["a2a"]
     nbytes = plan.num_rows * H * x_TH.element_size()
     T = x_TH.shape[0]
@@ -212,8 +213,8 @@ def bench_rank(rank: int, world_size: int, opts: Dict) -> List[Dict]:
                 xs = x[: min(T, opts.get("layer_tokens", 1024))].clone().requires_grad_(True)
                 times = []
                 for i in range(3):
-                    times.append(_timed(lambda: layer(xs).float().square().mean().backward(), d.group))
-                point.layer_step_s = _slowest_median(times[1:], d.group)
+                    times.append(timed(lambda: layer(xs).float().square().mean().backward(), d.group))
+                point.layer_step_s = slowest_median(times[1:], d.group)
             results.append(point.as_dict())
             if progress is not None:
                 progress.advance(task)

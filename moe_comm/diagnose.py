@@ -42,7 +42,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .autochunk import CANDIDATES, choose_num_chunks, measure_alpha_beta, predict_step
+from .autochunk import choose_num_chunks, measure_alpha_beta, predict_step
 from .profiling import Span, overlap_report, to_chrome_trace
 
 __all__ = ["DEFAULT_OPTS", "normalize_opts", "profile_rank", "Finding", "Suggestion", "Diagnosis", "diagnose",

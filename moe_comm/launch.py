@@ -28,37 +28,51 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, result_dir: str, threads: int, fn, args) -> None:
+def _entry(rank: int, world_size: int, port: int, result_dir: str, threads: int, timeout: float, fn, args) -> None:
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=300))
+                            timeout=datetime.timedelta(seconds=timeout))
     try:
         out = fn(rank, world_size, *args)
         if rank == 0:
             torch.save(out, os.path.join(result_dir, "result.pt"))
+        dist.barrier()  # no rank tears down its gloo pairs while a peer still uses them
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args, threads_per_rank: int | None = None) -> Any:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args, threads_per_rank: int | None = None,
+              timeout: float = 300.0) -> Any:
     """Call ``fn(rank, world_size, *args)`` on every rank; return rank 0's result.
 
     Under torchrun the launched group is used (NCCL when CUDA is available, else gloo) and this
     process is one rank. Otherwise ``world_size`` gloo ranks are spawned on this machine, sharing
-    its cores (``threads_per_rank`` default: cores // world_size, at least 1).
+    its cores (``threads_per_rank`` default: cores // world_size, at least 1). ``timeout``: seconds
+    a collective may wait before the process group gives up.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if launched_by_torchrun():
-        if not dist.is_initialized():
+        owned = not dist.is_initialized()  # we set the group up, so we tear it down
+        if owned:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group(backend)
-        return fn(dist.get_rank(), dist.get_world_size(), *args)
+            else:  # ranks share this host's cores
+                local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+                torch.set_num_threads(threads_per_rank or max(1, (os.cpu_count() or 1) // local))
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        try:
+            out = fn(dist.get_rank(), dist.get_world_size(), *args)
+            if owned:
+                dist.barrier()  # no rank tears down its pairs while a peer still uses them
+        finally:
+            if owned:
+                dist.destroy_process_group()  # gloo aborts at exit if its threads are still up
+        return out
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
     with tempfile.TemporaryDirectory(prefix="moe_comm_run_") as tmp:
-        mp.start_processes(_entry, args=(world_size, free_port(), tmp, threads, fn, args), nprocs=world_size,
+        mp.start_processes(_entry, args=(world_size, free_port(), tmp, threads, timeout, fn, args), nprocs=world_size,
                            join=True, start_method="spawn")
         path = os.path.join(tmp, "result.pt")
         return torch.load(path, weights_only=False) if os.path.exists(path) else None

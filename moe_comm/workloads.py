@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Tuple
 
 import torch
 

@@ -200,7 +200,7 @@ def test_planted_hot_experts_found_with_rank():
     for step in range(5):
         mon.observe(wl.count_tokens(_routing("hot_experts", step), E)[0])
         hot = mon.hot_experts()
-        assert [h.expert for h in hot] == ([0, 1] if step == 4 else []), f"persistence: not hot before step 4"
+        assert [h.expert for h in hot] == ([0, 1] if step == 4 else []), "persistence: not hot before step 4"
     assert all(isinstance(h, HotExpert) and h.rank == 0 and h.since_step == 4 for h in hot)
     assert all(h.load_over_mean == pytest.approx(0.2 / (1 / E), rel=0.25) for h in hot)  # 20% of slots each
 
