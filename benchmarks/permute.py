@@ -1,17 +1,20 @@
-"""Permute / unpermute bandwidth on CPU: the native C++ kernels next to memcpy and torch's own paths.
+"""Permute / unpermute bandwidth: the native C++ kernels on CPU (and the Triton kernels on CUDA when a
+GPU is present) next to a plain copy of the same bytes and torch's own paths.
 
 Shapes legend: T tokens, K top-k slots, N routed rows (T*K here: nothing is dropped), H hidden size,
 E experts.
 
 Bytes counted per call (read + written): permute reads N*H and writes N*H elements; unpermute reads
 N*H and writes T*H. The limit each kernel chases is a plain memcpy moving the same number of bytes
-(``dst.copy_(src)`` into an already-touched buffer); "of memcpy" is GB/s over that memcpy's GB/s.
+(``dst.copy_(src)`` into an already-touched buffer; on CUDA a device-to-device copy); "of copy" is GB/s
+over that copy's GB/s.
 Every kernel is timed writing into a reused ``out=`` buffer (the persistent-workspace case) and into a
 freshly allocated output (which adds first-touch page faults). Times are medians over ``--repeats``
 rounds after warm-up; each round runs every kernel once (interleaved, so machine noise hits all alike).
 
     python benchmarks/permute.py --json /tmp/permute.json
     python benchmarks/permute.py --tokens 4096 --hidden 4096 --dtype bfloat16 --threads 1
+    python benchmarks/permute.py --devices cuda        # CUDA only (Triton kernels vs device copy)
 """
 from __future__ import annotations
 
@@ -23,25 +26,27 @@ from typing import Callable, Dict, List
 
 import torch
 
-from moe_comm.kernels import native, reference
+from moe_comm.kernels import native, reference, triton_ops
 from moe_comm.layout import make_layout
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WARMUP = 3
 
 
-def interleaved_times(fns: List[Callable[[], object]], repeats: int) -> List[List[float]]:
+def interleaved_times(fns: List[Callable[[], object]], repeats: int, sync: Callable[[], None]) -> List[List[float]]:
     """Wall times of each fn: ``WARMUP`` untimed calls each, then ``repeats`` rounds calling every fn
     once per round, so a noisy neighbour slows all kernels alike instead of whichever ran at the time.
-    CPU tensors: a call has finished when it returns, no sync needed."""
+    ``sync`` waits for the device (CUDA: torch.cuda.synchronize; CPU: nothing to wait for)."""
     for fn in fns:
         for _ in range(WARMUP):
             fn()
     times: List[List[float]] = [[] for _ in fns]
     for _ in range(repeats):
         for fn, ts in zip(fns, times):
+            sync()
             t0 = time.perf_counter()
             fn()
+            sync()  # host sync: benchmark timing
             ts.append(time.perf_counter() - t0)
     return times
 
@@ -56,15 +61,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--devices", default="cpu,cuda",
+                   help="comma list; cuda is skipped when no GPU is present (CPU: native C++, CUDA: Triton)")
     p.add_argument("--json", default=None, metavar="PATH", help="write all numbers here")
     return p.parse_args(argv)
 
 
-def run(args: argparse.Namespace) -> Dict[str, object]:
+def run(args: argparse.Namespace, device: str = "cpu") -> Dict[str, object]:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    if not native.available():
-        raise SystemExit("native kernels unavailable (see the warning above); nothing to benchmark")
+    impl, kname = (native, "native") if device == "cpu" else (triton_ops, "triton")
+    if not impl.available():
+        raise SystemExit(f"{kname} kernels unavailable on {device}; nothing to benchmark")
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    copy = "memcpy" if device == "cpu" else "device copy"
     T, H, K, E = args.tokens, args.hidden, args.topk, args.experts
     dtype = DTYPES[args.dtype]
     elt = torch.empty((), dtype=dtype).element_size()
@@ -72,48 +82,49 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
     # Uniform random routing: K distinct experts per token, every expert equally likely.
     topk_idx_TK = torch.rand(T, E, generator=gen).topk(K, dim=1).indices
     weight_TK = torch.rand(T, K, generator=gen).softmax(dim=1)
-    layout = make_layout(topk_idx_TK, E, backend="native")
-    token_N, row_TK = layout.token_N, layout.dest_row_TK
+    layout = make_layout(topk_idx_TK, E, backend="native" if device == "cpu" else "torch")
+    token_N, row_TK = layout.token_N.to(device), layout.dest_row_TK.to(device)
     N = token_N.numel()
-    weight_N = weight_TK.reshape(-1)[layout.src_slot_N]  # weight of each permuted row, for index_add_
+    weight_N = weight_TK.reshape(-1)[layout.src_slot_N].to(device)  # weight of each permuted row, for index_add_
+    weight_TK = weight_TK.to(device)
 
-    x_TH = torch.randn(T, H, generator=gen).to(dtype)
-    y_NH = torch.randn(N, H, generator=gen).to(dtype)
-    perm_out_NH = torch.ones(N, H, dtype=dtype)  # reused buffers, already touched
-    unperm_out_TH = torch.ones(T, H, dtype=dtype)
+    x_TH = torch.randn(T, H, generator=gen).to(dtype).to(device)
+    y_NH = torch.randn(N, H, generator=gen).to(dtype).to(device)
+    perm_out_NH = torch.ones(N, H, dtype=dtype, device=device)  # reused buffers, already touched
+    unperm_out_TH = torch.ones(T, H, dtype=dtype, device=device)
 
     permute_bytes = 2 * N * H * elt
     unpermute_bytes = (N + T) * H * elt
     # memcpy moving the same bytes: half of them read, half written.
-    copy_src = {op: torch.randn(b // (2 * elt)).to(dtype) for op, b in
+    copy_src = {op: torch.randn(b // (2 * elt)).to(dtype).to(device) for op, b in
                 (("permute", permute_bytes), ("unpermute", unpermute_bytes))}
     copy_dst = {op: torch.ones_like(src) for op, src in copy_src.items()}
 
     cases = [  # (op, name, fn)
-        ("permute", "memcpy (dst.copy_(src))", lambda: copy_dst["permute"].copy_(copy_src["permute"])),
+        ("permute", f"{copy} (dst.copy_(src))", lambda: copy_dst["permute"].copy_(copy_src["permute"])),
         ("permute", "torch index_select, fresh", lambda: x_TH.index_select(0, token_N)),
         ("permute", "torch index_select, out=", lambda: torch.index_select(x_TH, 0, token_N, out=perm_out_NH)),
-        ("permute", "native, out=", lambda: native.permute_rows(x_TH, token_N, out=perm_out_NH)),
-        ("permute", "native, fresh", lambda: native.permute_rows(x_TH, token_N)),
-        ("unpermute", "memcpy (dst.copy_(src))", lambda: copy_dst["unpermute"].copy_(copy_src["unpermute"])),
+        ("permute", f"{kname}, out=", lambda: impl.permute_rows(x_TH, token_N, out=perm_out_NH)),
+        ("permute", f"{kname}, fresh", lambda: impl.permute_rows(x_TH, token_N)),
+        ("unpermute", f"{copy} (dst.copy_(src))", lambda: copy_dst["unpermute"].copy_(copy_src["unpermute"])),
         ("unpermute", "torch reference, fresh", lambda: reference.unpermute_rows(y_NH, row_TK, weight_TK)),
         ("unpermute", "torch index_add_, out=",
          lambda: unperm_out_TH.zero_().index_add_(0, token_N, y_NH * weight_N.to(dtype)[:, None])),
-        ("unpermute", "native, out=", lambda: native.unpermute_rows(y_NH, row_TK, weight_TK, out=unperm_out_TH)),
-        ("unpermute", "native, fresh", lambda: native.unpermute_rows(y_NH, row_TK, weight_TK)),
+        ("unpermute", f"{kname}, out=", lambda: impl.unpermute_rows(y_NH, row_TK, weight_TK, out=unperm_out_TH)),
+        ("unpermute", f"{kname}, fresh", lambda: impl.unpermute_rows(y_NH, row_TK, weight_TK)),
     ]
-    all_times = interleaved_times([fn for _, _, fn in cases], args.repeats)
+    all_times = interleaved_times([fn for _, _, fn in cases], args.repeats, sync)
     results = []
     memcpy_gbps = {}
     for (op, name, _), times in zip(cases, all_times):
         med = statistics.median(times)
         nbytes = permute_bytes if op == "permute" else unpermute_bytes
         gbps = nbytes / med / 1e9
-        if name.startswith("memcpy"):
+        if name.startswith(copy):
             memcpy_gbps[op] = gbps
         results.append({"op": op, "name": name, "bytes": nbytes, "median_s": med, "min_s": min(times),
                         "gbps": gbps, "frac_memcpy": gbps / memcpy_gbps[op], "times_s": times})
-    config = {"tokens": T, "hidden": H, "topk": K, "experts": E, "rows": N, "dtype": args.dtype,
+    config = {"device": device, "tokens": T, "hidden": H, "topk": K, "experts": E, "rows": N, "dtype": args.dtype,
               "repeats": args.repeats, "warmup": WARMUP, "threads": torch.get_num_threads(), "seed": args.seed,
               "torch": torch.__version__}
     return {"config": config, "results": results}
@@ -121,9 +132,9 @@ def run(args: argparse.Namespace) -> Dict[str, object]:
 
 def print_table(report: Dict[str, object]) -> None:
     cfg = report["config"]
-    title = (f"permute / unpermute, T={cfg['tokens']} H={cfg['hidden']} K={cfg['topk']} E={cfg['experts']} "
+    title = (f"permute / unpermute on {cfg['device']}, T={cfg['tokens']} H={cfg['hidden']} K={cfg['topk']} E={cfg['experts']} "
              f"{cfg['dtype']}, {cfg['threads']} threads, median of {cfg['repeats']}")
-    header = ("op", "kernel", "ms", "GB/s", "of memcpy")
+    header = ("op", "kernel", "ms", "GB/s", "of copy")
     rows = [(r["op"], r["name"], f"{r['median_s'] * 1e3:.2f}", f"{r['gbps']:.2f}", f"{r['frac_memcpy']:.0%}")
             for r in report["results"]]
     try:
@@ -145,8 +156,18 @@ def print_table(report: Dict[str, object]) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    report = run(args)
-    print_table(report)
+    devices = [d for d in args.devices.split(",") if d]
+    bad = [d for d in devices if d not in ("cpu", "cuda")]
+    if bad:
+        raise SystemExit(f"--devices takes cpu and/or cuda, got {bad}")
+    reports = []
+    for device in devices:
+        if device == "cuda" and not torch.cuda.is_available():
+            print("cuda: no GPU present, skipped")
+            continue
+        reports.append(run(args, device))
+        print_table(reports[-1])
+    report = reports[0] if len(reports) == 1 else {"runs": reports}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
