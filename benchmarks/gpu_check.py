@@ -316,8 +316,9 @@ def run_sweep(torch, triton_ops, routing, bench_ms, copy_gbps, device, args, t_s
             if (bh, nw) in seen:  # H smaller than the block: same launch as a smaller block_bytes
                 continue
             seen.add((bh, nw))
-            p_ms = bench_ms(lambda: triton_ops._launch_permute(x_TH, token_N, None, x_NH, block_bytes))
-            u_ms = bench_ms(lambda: triton_ops._launch_unpermute(x_NH, row_TK, weight_TK, out_TH, block_bytes))
+            p_ms = bench_ms(lambda x=x_TH, o=x_NH, b=block_bytes: triton_ops._launch_permute(x, token_N, None, o, b))
+            u_ms = bench_ms(lambda y=x_NH, o=out_TH, b=block_bytes: triton_ops._launch_unpermute(y, row_TK, weight_TK,
+                                                                                                    o, b))
             p_gbps, u_gbps = p_bytes / p_ms / 1e6, u_bytes / u_ms / 1e6
             rows.append({"case": case.name, "block_bytes": block_bytes, "BLOCK_H": bh, "num_warps": nw,
                          "permute_gbps": p_gbps, "permute_of_copy": p_gbps / copy_gbps(p_bytes),

@@ -1,4 +1,5 @@
-"""Collectives: all-to-all with uneven splits and autograd, the counts exchange, group helpers.
+"""Collectives: all-to-all with uneven splits and autograd, the counts exchange, point-to-point row
+segments, group helpers.
 
 Shapes legend: R rows, H hidden size, W EP world size.
 Rows travel as raw bytes (a uint8 view), so every dtype works on every backend (gloo has no
@@ -7,13 +8,13 @@ bfloat16 reductions, but an all-to-all needs no arithmetic).
 from __future__ import annotations
 
 import datetime
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["resolve_group", "group_size", "group_rank", "all_to_all_v", "all_to_all_v_async", "exchange_counts",
-           "CollectiveError", "wait_work"]
+           "exchange_counts_async", "exchange_segments", "CollectiveError", "wait_work"]
 
 
 class CollectiveError(RuntimeError):
@@ -103,18 +104,55 @@ def all_to_all_v(x_RH: torch.Tensor, out_splits: List[int], in_splits: List[int]
     return _AllToAllV.apply(x_RH, list(out_splits), list(in_splits), group, out)
 
 
+def exchange_counts_async(send_WX: torch.Tensor, group: Optional[dist.ProcessGroup]):
+    """Issue the counts exchange: row w of ``send_WX`` goes to rank w. Returns (recv_WX, Work):
+    row w of recv_WX comes from rank w once the Work completed (Work None with one rank)."""
+    if group is None or group_size(group) == 1:
+        return send_WX, None
+    recv_WX = torch.empty_like(send_WX)
+    return recv_WX, dist.all_to_all_single(recv_WX, send_WX.contiguous(), group=group, async_op=True)
+
+
 def exchange_counts(send_WX: torch.Tensor, group: Optional[dist.ProcessGroup], *,
                     timeout: Optional[float] = None) -> torch.Tensor:
     """Row w of ``send_WX`` goes to rank w; returns [W, X] with row w received from rank w.
 
     One ``all_to_all_single`` of int64 counts; no host sync here (the caller reads the result once).
     """
-    if group is None or group_size(group) == 1:
-        return send_WX
-    recv_WX = torch.empty_like(send_WX)
-    work = dist.all_to_all_single(recv_WX, send_WX.contiguous(), group=group, async_op=True)
+    recv_WX, work = exchange_counts_async(send_WX, group)
     wait_work(work, "counts exchange", timeout=timeout, rank=group_rank(group))
     return recv_WX
+
+
+def exchange_segments(out_RH: torch.Tensor, x_NH: torch.Tensor, sends: List[Tuple[int, int, int, int]],
+                      recvs: List[Tuple[int, int, int, int]], group: Optional[dist.ProcessGroup], *,
+                      phase: str, timeout: Optional[float] = None) -> None:
+    """Move row segments between ranks with point-to-point sends, straight into their final rows.
+
+    sends / recvs: (peer rank in group, tag, first row, rows) of ``x_NH`` / ``out_RH``. Between two
+    ranks, the k-th send with a tag meets the k-th receive with that tag, so both sides list a
+    pair's segments in the same order; empty segments are skipped on both sides alike. Segments a
+    rank sends to itself are copied, the i-th self send into the i-th self receive. Waits for all.
+    Both tensors contiguous, same row width and dtype.
+    """
+    me = group_rank(group)
+    if x_NH.shape[1:].numel() == 0:
+        return  # zero-width rows: nothing to move (H is shared, every rank skips alike)
+    xb, ob = _as_bytes(x_NH), _as_bytes(out_RH)
+    world = group is None or group is dist.group.WORLD
+
+    def peer_of(r: int) -> int:
+        return r if world else dist.get_global_rank(group, r)
+
+    ops = [dist.P2POp(dist.irecv, ob[s:s + n], peer_of(p), group, tag) for p, tag, s, n in recvs if p != me and n]
+    ops += [dist.P2POp(dist.isend, xb[s:s + n], peer_of(p), group, tag) for p, tag, s, n in sends if p != me and n]
+    works = dist.batch_isend_irecv(ops) if ops else []
+    own_sends = [(s, n) for p, _, s, n in sends if p == me and n]
+    own_recvs = [(s, n) for p, _, s, n in recvs if p == me and n]
+    for (s, n), (r, m) in zip(own_sends, own_recvs, strict=True):  # while the peers' rows travel
+        ob[r:r + m].copy_(xb[s:s + n])
+    for w in works:
+        wait_work(w, phase, timeout=timeout, rank=me)
 
 
 def all_to_all_v_async(out_RH: torch.Tensor, x_RH: torch.Tensor, out_splits: List[int], in_splits: List[int],

@@ -29,12 +29,25 @@ def _routing(seed, E, K, drop, one_expert_rank):
     return routing_of
 
 
-def _rank_dispatch(rank, world_size, seed, E, K, drop, one_expert_rank, dtype):
-    d = moe_comm.Dispatcher(num_experts=E)
-    return self_check_dispatch(d, _routing(seed, E, K, drop, one_expert_rank), _tokens, H, dtype)
+def _dispatcher(E, direct):
+    # direct_min_bytes=0: point-to-point straight into expert-major rows; huge: all-to-all + regroup.
+    return moe_comm.Dispatcher(num_experts=E, direct_min_bytes=0 if direct else 1 << 40)
+
+
+def _rank_dispatch(rank, world_size, seed, E, K, drop, one_expert_rank, dtype, direct):
+    d = _dispatcher(E, direct)
+    routing_of = _routing(seed, E, K, drop, one_expert_rank)
+    received = self_check_dispatch(d, routing_of, _tokens, H, dtype)
+    took = d.dispatch(payload_rows(rank, dtype), routing_of(rank)).handle.chunks[0].direct
+    return received, took
+
+
+def payload_rows(rank, dtype):
+    return torch.zeros(_tokens(rank), H, dtype=dtype)
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("direct", [False, True], ids=["a2a_regroup", "direct"])
 @pytest.mark.parametrize("world_size,E,K,drop,one_expert_rank,dtype", [
     (1, 4, 2, False, None, torch.float32),
     (2, 4, 3, True, None, torch.float32),
@@ -42,16 +55,18 @@ def _rank_dispatch(rank, world_size, seed, E, K, drop, one_expert_rank, dtype):
     (4, 8, 2, True, 2, torch.float32),
     (4, 4, 4, False, None, torch.float16),
 ])
-def test_dispatch_self_checking_payload(ranks, world_size, E, K, drop, one_expert_rank, dtype):
-    received = ranks(world_size).run(_rank_dispatch, 11, E, K, drop, one_expert_rank, dtype)
+def test_dispatch_self_checking_payload(ranks, world_size, E, K, drop, one_expert_rank, dtype, direct):
+    results = ranks(world_size).run(_rank_dispatch, 11, E, K, drop, one_expert_rank, dtype, direct)
     routing_of = _routing(11, E, K, drop, one_expert_rank)
-    assert sum(received) == sum(int((routing_of(r) >= 0).sum()) for r in range(world_size))
+    assert sum(r for r, _ in results) == sum(int((routing_of(r) >= 0).sum()) for r in range(world_size))
+    # The path taken: direct only where asked and useful (more than one rank and local expert).
+    assert {took for _, took in results} == {direct and world_size > 1 and E // world_size > 1}
 
 
-def _rank_gradients(rank, world_size):
+def _rank_gradients(rank, world_size, direct):
     """dispatch -> (rows * (g + 1)) -> combine: d y / d x = sum_k w_k (g_k + 1); d y / d w_k = (g_k + 1) x."""
-    E, K, T = 4, 2, _tokens(rank)
-    d = moe_comm.Dispatcher(num_experts=E)
+    E, K, T = 8, 2, _tokens(rank)
+    d = _dispatcher(E, direct)
     g = torch.Generator().manual_seed(rank)
     idx = torch.rand(T, E, generator=g).argsort(1)[:, :K]
     x = torch.randn(T, H, generator=g, dtype=torch.float64, requires_grad=True)
@@ -60,6 +75,7 @@ def _rank_gradients(rank, world_size):
     e = d.num_local_experts
     scale_R = torch.repeat_interleave(torch.arange(rank * e, rank * e + e, dtype=torch.float64) + 1,
                                       out.tokens_per_expert, output_size=out.tokens.shape[0])
+    assert out.handle.chunks[0].direct == direct
     y = d.combine(out.tokens * scale_R[:, None], w, out.handle)
     y.sum().backward()
     factor = (idx + 1).double()
@@ -70,6 +86,7 @@ def _rank_gradients(rank, world_size):
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("direct", [False, True], ids=["a2a_regroup", "direct"])
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_dispatch_combine_gradients(ranks, world_size):
-    assert all(ranks(world_size).run(_rank_gradients))
+def test_dispatch_combine_gradients(ranks, world_size, direct):
+    assert all(ranks(world_size).run(_rank_gradients, direct))

@@ -158,16 +158,18 @@ def test_non_contiguous_input_gives_the_same_result():
 
 # ---- faults: a dead or stuck peer becomes a CollectiveError on the survivors ------------------------
 
-def _fault_rank(rank, world_size, init_file, mode, q):
-    """Rank 1 dies or stalls inside its experts; every other rank must raise CollectiveError."""
+def _fault_rank(rank, world_size, init_file, mode, path, q):
+    """Rank 1 dies or stalls inside its experts; every other rank must raise CollectiveError.
+    path: "pipeline" (Dispatcher.__call__) or "direct" (dispatch, experts, combine, point-to-point)."""
     import datetime
 
     import torch.distributed as dist
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=60))
-    d = moe_comm.Dispatcher(num_experts=world_size, timeout=3.0)
-    x, idx = _good(rank, E=world_size, T=5)
+    E = world_size if path == "pipeline" else 2 * world_size  # direct needs 2+ local experts
+    d = moe_comm.Dispatcher(num_experts=E, timeout=3.0, direct_min_bytes=0)
+    x, idx = _good(rank, E=E, T=5)
 
     def expert_fn(tokens, counts):
         if rank == 1:
@@ -178,7 +180,12 @@ def _fault_rank(rank, world_size, init_file, mode, q):
 
     t0 = time.perf_counter()
     try:
-        d(x, idx, torch.ones(idx.shape), expert_fn)
+        if path == "pipeline":
+            d(x, idx, torch.ones(idx.shape), expert_fn)
+        else:
+            out = d.dispatch(x, idx)
+            assert out.handle.chunks[0].direct
+            d.combine(expert_fn(out.tokens, out.tokens_per_expert), torch.ones(idx.shape), out.handle)
         q.put((rank, "no error", time.perf_counter() - t0))
     except CollectiveError as e:
         q.put((rank, str(e), time.perf_counter() - t0))
@@ -190,10 +197,11 @@ def _fault_rank(rank, world_size, init_file, mode, q):
 @pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("mode", ["die", "stuck"])
-def test_dead_or_stuck_peer_raises_within_timeout(tmp_path, mode, world_size):
+@pytest.mark.parametrize("path", ["pipeline", "direct"])
+def test_dead_or_stuck_peer_raises_within_timeout(tmp_path, mode, world_size, path):
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_fault_rank, args=(r, world_size, str(tmp_path / "store"), mode, q))
+    procs = [ctx.Process(target=_fault_rank, args=(r, world_size, str(tmp_path / "store"), mode, path, q))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -210,7 +218,8 @@ def test_dead_or_stuck_peer_raises_within_timeout(tmp_path, mode, world_size):
     for rank, (msg, elapsed) in got.items():
         # Survivors fail in the combine (they wait for rank 1's expert output) or, with a dead peer
         # whose socket closed, wherever they were.
-        assert f"EP rank {rank}" in msg and "of chunk 0" in msg, msg
+        where = "of chunk 0" if path == "pipeline" else "combine all-to-all"
+        assert f"EP rank {rank}" in msg and where in msg, msg
         assert elapsed < 3.0 + 5.0, (rank, elapsed)  # the timeout plus a margin for scheduling
 
 
