@@ -2,7 +2,16 @@
 
 Shapes legend: T tokens per rank, H hidden, E experts, K top-k, N routed rows sent, R received.
 Timing: every measured call is bracketed by barriers; a point's time is the slowest rank's
-median over repeats (the all-to-all finishes when its slowest participant does).
+median over repeats (the all-to-all finishes when its slowest participant does). Every figure
+therefore includes one barrier; the "barrier" phase (an empty call) is that floor.
+
+The minimal pair ("min dispatch", "min combine"): what any dispatch + combine over this transport
+must do, timed as one call each: layout, the counts exchange issued and the rows permuted while it
+travels, then the raw all-to-all into a buffer already touched (no regroup, no fresh output); and back:
+the raw all-to-all, then the weighted unpermute. limit = 2 raw / (min dispatch + min combine) is the
+best end-to-end ratio when none of those passes overlaps a transfer. Where the CPU that moves the
+bytes also runs the passes (gloo on loopback) the transfer cannot hide them and this is the ceiling;
+on a link slower than memory, overlap could beat it.
 """
 from __future__ import annotations
 
@@ -42,7 +51,10 @@ class BenchPoint:
     num_chunks: int = 1
     workload: str = "uniform"
     layer_step_s: float = 0.0        # pipelined layer forward + backward with num_chunks (0: not measured)
-    phases_s: Dict[str, float] = None  # layout, permute, counts, a2a, regroup, unpermute (slowest rank)
+    phases_s: Dict[str, float] = None  # layout, permute, counts, a2a, regroup, unpermute, barrier, min_dispatch,
+    #                                    min_combine (slowest rank)
+    direct: bool = False             # dispatch/combine moved rows point-to-point (no regroup)
+    serial_limit_vs_raw: float = 0.0  # 2 raw / (min dispatch + min combine): see the module docstring
 
     def as_dict(self) -> Dict:
         return asdict(self)
@@ -117,7 +129,8 @@ def measure_dispatch(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_
     """Time dispatch, combine, the raw all-to-all of the same bytes, and each phase on its own
     (collective over the group; every rank must call it with its own inputs)."""
     from . import ops
-    from .comm import exchange_counts
+    from .comm import exchange_counts, exchange_counts_async, wait_work
+    from .kernels import select_backend
 
     group = dispatcher.group
     out = dispatcher.dispatch(x_TH, topk_idx_TK)
@@ -129,6 +142,22 @@ def measure_dispatch(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_
     W = dist.get_world_size(group) if group is not None else 1
     counts = torch.zeros(W, dispatcher.num_local_experts + 3, dtype=torch.int64)
     y_RH = out.tokens.clone()
+    back_NH = torch.empty_like(x_NH)
+    send_SH = x_TH.new_empty(x_TH.shape[0] * topk_idx_TK.shape[1], H)
+
+    def min_dispatch():
+        layout = ops.make_layout(topk_idx_TK, dispatcher.num_experts, num_ranks=W)
+        send_WX = torch.cat([layout.counts_CWe[0], counts[:, dispatcher.num_local_experts:]], dim=1)
+        recv_WX, work = exchange_counts_async(send_WX, group)
+        select_backend("auto", x_TH.device).permute_rows(x_TH, layout.token_S, out=send_SH)
+        wait_work(work, "counts exchange")
+        recv_WX.tolist()  # host sync: the split sizes, as any dispatch needs
+        _raw(send_SH[:plan.num_rows], raw_out, plan, group)
+
+    def min_combine():
+        _raw_back(raw_out, back_NH, plan, group)
+        ops.unpermute(back_NH, handle.layout, topk_weight_TK)
+
     phases = {
         "layout": lambda: ops.make_layout(topk_idx_TK, dispatcher.num_experts, num_ranks=W),
         "permute": lambda: ops.permute(x_TH, handle.layout, out=dispatcher.workspace.rows("send", plan.num_rows, H, x_TH)),
@@ -137,6 +166,9 @@ def measure_dispatch(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_
         "regroup": lambda: (ops.gather_rows(raw_out, plan.expert_index_R, plan.source_index_R)
                             if plan.expert_index_R is not None else None),
         "unpermute": lambda: ops.unpermute(x_NH, handle.layout, topk_weight_TK),
+        "barrier": lambda: None,  # the floor every timed figure includes
+        "min_dispatch": min_dispatch,
+        "min_combine": min_combine,
     }
     samples = {k: [] for k in ("dispatch", "combine", *phases)}
     for i in range(warmup + repeats):
@@ -151,6 +183,8 @@ def measure_dispatch(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_
             for k, v in times.items():
                 samples[k].append(v)
     med = {k: slowest_median(v, group) for k, v in samples.items()}
+    if plan.direct:
+        med["regroup"] = 0.0  # rows arrive in expert-major order: no regroup pass
     d, c, r = med["dispatch"], med["combine"], med["a2a"]
     nbytes = plan.num_rows * H * x_TH.element_size()
     T = x_TH.shape[0]
@@ -160,13 +194,20 @@ def measure_dispatch(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_
                       dispatch_gbps=nbytes / d / 1e9, combine_gbps=nbytes / c / 1e9, raw_gbps=nbytes / r / 1e9,
                       dispatch_vs_raw=r / d, combine_vs_raw=r / c, tokens_per_s=T / (d + c),
                       end_to_end_vs_raw=2 * r / (d + c), bytes_per_pair=nbytes // max(W, 1),
-                      phases_s={k: med[k] for k in phases})
+                      phases_s={k: med[k] for k in phases}, direct=plan.direct,
+                      serial_limit_vs_raw=2 * r / (med["min_dispatch"] + med["min_combine"]))
 
 
 def _raw(x_NH, out_RH, plan, group):
     from .comm import all_to_all_v_async, wait_work
 
     wait_work(all_to_all_v_async(out_RH, x_NH, plan.recv_splits_W, plan.send_splits_W, group), "raw a2a")
+
+
+def _raw_back(y_RH, out_NH, plan, group):
+    from .comm import all_to_all_v_async, wait_work
+
+    wait_work(all_to_all_v_async(out_NH, y_RH, plan.send_splits_W, plan.recv_splits_W, group), "raw a2a back")
 
 
 def grid_points(opts: Dict) -> List[Dict]:

@@ -70,7 +70,8 @@ def _print_demo(result: dict, args: dict) -> None:
               f"{p['combine_vs_raw']:.2f}")
     t.add_row(f"MoELayer fwd+bwd, {result['layer_tokens']} tokens/rank", f"{result['layer_step_s'] * 1e3:.2f}", "", "")
     t.caption = ("ms: slowest rank, median of repeats. GB/s: routed bytes leaving rank 0 / time. dispatch = layout + "
-                 "permute + counts exchange + all-to-all + regroup; combine = regroup + all-to-all + unpermute.")
+                 "counts exchange (under the permute) + transfer (+ regroup for small segments); combine = "
+                 "(regroup +) transfer + unpermute.")
     c = Console()
     c.print("self-check: every received row matched its (source rank, token) on all ranks")
     c.print(t)
@@ -165,7 +166,8 @@ def _print_bench(points: List[dict]) -> None:
     t = Table(title="moe-comm bench: dispatch/combine vs the raw all_to_all_single of the same bytes "
                     "(slowest rank, medians)")
     cols = ("W", "T", "H", "K", "E", "C", "dtype", "workload", "KiB/pair", "disp GB/s", "comb GB/s", "raw GB/s",
-            "e2e/raw", "tok/s", "layout", "permute", "counts", "a2a", "regroup", "unperm", "layer ms")
+            "e2e/raw", "limit", "path", "tok/s", "layout", "permute", "counts", "a2a", "regroup", "unperm", "floor",
+            "layer ms")
     for c in cols:
         t.add_column(c, justify="right")
     for p in points:
@@ -173,11 +175,16 @@ def _print_bench(points: List[dict]) -> None:
         t.add_row(str(p["world_size"]), str(p["tokens"]), str(p["hidden"]), str(p["top_k"]), str(p["experts"]),
                   str(p["num_chunks"]), p["dtype"], p["workload"], f"{p['bytes_per_pair'] / 1024:.0f}",
                   f"{p['dispatch_gbps']:.2f}", f"{p['combine_gbps']:.2f}", f"{p['raw_gbps']:.2f}",
-                  f"{p['end_to_end_vs_raw']:.2f}", f"{p['tokens_per_s']:.0f}",
-                  *(f"{ph[k] * 1e3:.2f}" for k in ("layout", "permute", "counts", "a2a", "regroup", "unpermute")),
+                  f"{p['end_to_end_vs_raw']:.2f}", f"{p['serial_limit_vs_raw']:.2f}", "p2p" if p["direct"] else "a2a",
+                  f"{p['tokens_per_s']:.0f}",
+                  *(f"{ph[k] * 1e3:.2f}" for k in ("layout", "permute", "counts", "a2a", "regroup", "unpermute",
+                                                   "barrier")),
                   f"{p['layer_step_s'] * 1e3:.1f}" if p["layer_step_s"] else "-")
-    t.caption = ("e2e/raw = 2 x raw a2a time / (dispatch + combine time); phase columns in ms, each timed on its "
-                 "own; layer ms = pipelined MoELayer forward+backward with C chunks")
+    t.caption = ("e2e/raw = 2 x raw a2a time / (dispatch + combine time); limit = 2 x raw / (min dispatch + "
+                 "min combine): the unavoidable passes (layout, counts under the permute, raw a2a; raw a2a, "
+                 "unpermute) timed back to back, none overlapping a transfer (moe_comm/bench.py); path: p2p = rows sent point-to-point into expert-major order, a2a = one "
+                 "all-to-all + regroup; phase columns in ms, each timed on its own, each including one barrier "
+                 "(floor); layer ms = pipelined MoELayer forward+backward with C chunks")
     Console(width=220).print(t)
 
 
@@ -207,7 +214,7 @@ def _plot_bench(points: List[dict], path: str) -> None:
 
 def cmd_bench(ns: argparse.Namespace) -> int:
     from .bench import bench_rank
-    from .launch import run_ranks
+    from .launch import launched_by_torchrun, run_ranks
 
     err = _check_bench_args(ns)
     if err:
@@ -224,7 +231,8 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     _print_bench(points)
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump({"command": "bench", "options": opts, "points": points}, f, indent=2)
+            json.dump({"command": "bench", "options": opts, "cached_freed_memory": not launched_by_torchrun(),
+                       "points": points}, f, indent=2)
     if ns.plot:
         _plot_bench(points, ns.plot)
     return 0

@@ -26,12 +26,19 @@ def test_bench_json_schema_and_consistency(tmp_path):
     assert r.returncode == 0, r.stderr
     data = json.loads(out.read_text())
     assert data["command"] == "bench" and len(data["points"]) == 2
+    assert data["cached_freed_memory"] is True  # spawned ranks, moe_comm.launch.cache_freed_memory
     for p in data["points"]:
         for key in ("dispatch_s", "combine_s", "raw_a2a_s", "dispatch_gbps", "combine_gbps", "raw_gbps",
                     "tokens_per_s", "layer_step_s"):
             assert p[key] > 0, key
-        for phase in ("layout", "permute", "counts", "a2a", "regroup", "unpermute"):
-            assert p["phases_s"][phase] > 0, phase
+        ph = p["phases_s"]
+        for phase in ("layout", "permute", "counts", "a2a", "regroup", "unpermute", "barrier", "min_dispatch",
+                      "min_combine"):
+            assert ph[phase] > 0, phase
+        # tiny segments: one all-to-all + regroup, not point-to-point
+        assert p["direct"] is False
+        limit = 2 * p["raw_a2a_s"] / (ph["min_dispatch"] + ph["min_combine"])
+        assert abs(p["serial_limit_vs_raw"] - limit) < 1e-9 and p["serial_limit_vs_raw"] > 0
         # uniform routing never drops: rank 0 sends T*K rows of H float32 values
         assert p["dispatch_bytes"] == p["tokens"] * p["top_k"] * p["hidden"] * 4
         assert p["bytes_per_pair"] == p["dispatch_bytes"] // p["world_size"]
