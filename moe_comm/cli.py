@@ -68,10 +68,16 @@ def _print_demo(result: dict, args: dict) -> None:
               f"{p['dispatch_gbps']:.2f}", f"{p['dispatch_vs_raw']:.2f}")
     t.add_row("combine", f"{p['combine_s'] * 1e3:.2f}", f"{p['combine_gbps']:.2f}",
               f"{p['combine_vs_raw']:.2f}")
+    ph = p["phases_s"]
+    t.add_row("minimal dispatch (same transport)", f"{ph['min_dispatch'] * 1e3:.2f}", "",
+              f"{p['raw_a2a_s'] / ph['min_dispatch']:.2f}")
+    t.add_row("minimal combine (same transport)", f"{ph['min_combine'] * 1e3:.2f}", "",
+              f"{p['raw_a2a_s'] / ph['min_combine']:.2f}")
     t.add_row(f"MoELayer fwd+bwd, {result['layer_tokens']} tokens/rank", f"{result['layer_step_s'] * 1e3:.2f}", "", "")
     t.caption = ("ms: slowest rank, median of repeats. GB/s: routed bytes leaving rank 0 / time. dispatch = layout + "
                  "counts exchange (under the permute) + transfer (+ regroup for small segments); combine = "
-                 "(regroup +) transfer + unpermute.")
+                 "(regroup +) transfer + unpermute. minimal: only the passes any implementation over this "
+                 "transport needs (layout, counts under the permute, raw a2a; raw a2a, unpermute), back to back.")
     c = Console()
     c.print("self-check: every received row matched its (source rank, token) on all ranks")
     c.print(t)
