@@ -90,3 +90,39 @@ def _rank_gradients(rank, world_size, direct):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_dispatch_combine_gradients(ranks, world_size, direct):
     assert all(ranks(world_size).run(_rank_gradients, direct))
+
+
+def _rank_direct_equals_a2a(rank, world_size, iters):
+    """Random shapes per call (T may be 0 on some ranks, drops, skew): the point-to-point path and the
+    all-to-all + regroup path give bit-identical tokens, outputs and gradients."""
+    direct, a2a = {}, {}
+    for it in range(iters):
+        g = torch.Generator().manual_seed(1000 * it + rank)
+        shared = torch.Generator().manual_seed(it)  # the same E, K on every rank
+        E = world_size * int(torch.randint(1, 4, (1,), generator=shared))
+        K = int(torch.randint(1, min(E, 4) + 1, (1,), generator=shared))
+        T = int(torch.randint(0, 40, (1,), generator=g)) if rank != it % world_size else 0
+        idx = torch.rand(T, E, generator=g).argsort(1)[:, :K]
+        if it % 3 == 1:  # skew: most slots to expert 0
+            idx[torch.rand(T, K, generator=g) < 0.6] = -1
+            idx[:, 0] = 0
+        x = torch.randn(T, H, generator=g, dtype=torch.float64)
+        w = torch.rand(T, K, generator=g, dtype=torch.float64)
+        results = []
+        for table, use_direct in ((direct, True), (a2a, False)):
+            d = table.setdefault(E, _dispatcher(E, use_direct))
+            xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+            out = d.dispatch(xg, idx)
+            assert out.handle.chunks[0].direct == (use_direct and E > world_size)
+            y = d.combine(out.tokens * 2 + 1, wg, out.handle)
+            y.square().sum().backward()
+            results.append((out.tokens.detach(), y.detach(), xg.grad, wg.grad))
+        for a, b in zip(*results):
+            assert torch.equal(a, b), (it, rank)
+    return True
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_direct_path_equals_all_to_all_path(ranks, world_size):
+    assert all(ranks(world_size).run(_rank_direct_equals_a2a, 24))
