@@ -372,11 +372,13 @@ class Dispatcher:
         t0 = self.timeline.mark()
         if plan.direct:
             by_dest, by_expert = self._segments(plan)
-            exchange_segments(out, x_NH, by_dest, by_expert, self.group, phase=phase, timeout=self.timeout)
+            with self.workspace.dropped_on_error():
+                exchange_segments(out, x_NH, by_dest, by_expert, self.group, phase=phase, timeout=self.timeout)
         else:
             recv = out if plan.expert_index_R is None else self.workspace.rows("recv", plan.num_recv, x_NH.shape[1], x_NH)
-            wait_work(all_to_all_v_async(recv, x_NH, plan.recv_splits_W, plan.send_splits_W, self.group), phase,
-                      timeout=self.timeout, rank=self.rank)
+            with self.workspace.dropped_on_error():
+                wait_work(all_to_all_v_async(recv, x_NH, plan.recv_splits_W, plan.send_splits_W, self.group), phase,
+                          timeout=self.timeout, rank=self.rank)
             if plan.expert_index_R is not None:
                 select_backend(self.backend, x_NH.device).permute_rows(recv, plan.expert_index_R, out=out)
         self.timeline.comm(phase, None, start=t0)
@@ -389,13 +391,15 @@ class Dispatcher:
         t0 = self.timeline.mark()
         if plan.direct:
             by_dest, by_expert = self._segments(plan)
-            exchange_segments(out, y_RH, by_expert, by_dest, self.group, phase=phase, timeout=self.timeout)
+            with self.workspace.dropped_on_error():
+                exchange_segments(out, y_RH, by_expert, by_dest, self.group, phase=phase, timeout=self.timeout)
         else:
             if plan.expert_index_R is not None:
                 y_RH = select_backend(self.backend, y_RH.device).permute_rows(
                     y_RH, plan.source_index_R, out=self.workspace.rows("back", plan.num_recv, y_RH.shape[1], y_RH))
-            wait_work(all_to_all_v_async(out, y_RH, plan.send_splits_W, plan.recv_splits_W, self.group), phase,
-                      timeout=self.timeout, rank=self.rank)
+            with self.workspace.dropped_on_error():
+                wait_work(all_to_all_v_async(out, y_RH, plan.send_splits_W, plan.recv_splits_W, self.group), phase,
+                          timeout=self.timeout, rank=self.rank)
         self.timeline.comm(phase, None, start=t0)
         return out
 

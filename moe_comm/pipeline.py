@@ -24,7 +24,6 @@ by chunk. cuBLAS behaves the same way.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
@@ -51,17 +50,6 @@ class _Run:
     expert_s: float = 0.0
     side_out: Optional[torch.Tensor] = None
     expert_io: List = field(default_factory=list)  # per chunk: (tokens_in_RH leaf, out_RH)
-
-
-@contextlib.contextmanager
-def _abandon_buffers_on_error(d):
-    """On any error mid-schedule, drop the workspace: transfers already issued may still write into
-    its buffers (their Work keeps them alive), so the next call must not reuse them."""
-    try:
-        yield
-    except BaseException:
-        d.workspace.clear()
-        raise
 
 
 def _chunk_regions(d, chunks, like: torch.Tensor, name: str) -> list:
@@ -101,12 +89,12 @@ def _now(device: torch.device) -> float:
 class _PipelinedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_NH: torch.Tensor, anchor: Optional[torch.Tensor], run: _Run) -> torch.Tensor:
-        with _abandon_buffers_on_error(run.dispatcher):
+        with run.dispatcher.workspace.dropped_on_error():
             return _PipelinedExperts._forward(ctx, x_NH, run)
 
     @staticmethod
     def backward(ctx, grad_y_NH: torch.Tensor):
-        with _abandon_buffers_on_error(ctx.run.dispatcher):
+        with ctx.run.dispatcher.workspace.dropped_on_error():
             return _PipelinedExperts._backward(ctx, grad_y_NH)
 
     @staticmethod

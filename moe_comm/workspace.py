@@ -8,6 +8,7 @@ returned to the user and tensors saved for backward are always fresh allocations
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, Tuple
 
 import torch
@@ -34,6 +35,16 @@ class Workspace:
             buf = torch.empty(int(numel * 1.25) + 1, dtype=like.dtype, device=like.device)
             self._bufs[key] = buf
         return buf[:numel].view(num_rows, width)
+
+    @contextlib.contextmanager
+    def dropped_on_error(self):
+        """On any error inside the block, forget every buffer: transfers already issued may still read
+        or write them (their Work keeps them alive), so the next call must not reuse them."""
+        try:
+            yield
+        except BaseException:
+            self.clear()
+            raise
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._bufs.values())

@@ -186,9 +186,10 @@ def _fault_rank(rank, world_size, init_file, mode, path, q):
             out = d.dispatch(x, idx)
             assert out.handle.chunks[0].direct
             d.combine(expert_fn(out.tokens, out.tokens_per_expert), torch.ones(idx.shape), out.handle)
-        q.put((rank, "no error", time.perf_counter() - t0))
+        q.put((rank, "no error", time.perf_counter() - t0, d.workspace.nbytes()))
     except CollectiveError as e:
-        q.put((rank, str(e), time.perf_counter() - t0))
+        # transfers still in flight may use the workspace: it must have been dropped
+        q.put((rank, str(e), time.perf_counter() - t0, d.workspace.nbytes()))
     q.close()
     q.join_thread()  # flush the queue's feeder thread before the hard exit
     os._exit(0)
@@ -208,14 +209,15 @@ def test_dead_or_stuck_peer_raises_within_timeout(tmp_path, mode, world_size, pa
     got = {}
     try:
         while len(got) < world_size - 1:
-            rank, msg, elapsed = q.get(timeout=60)
-            got[rank] = (msg, elapsed)
+            rank, msg, elapsed, workspace_bytes = q.get(timeout=60)
+            got[rank] = (msg, elapsed, workspace_bytes)
     finally:
         for p in procs:
             p.kill()
             p.join()
     assert sorted(got) == [r for r in range(world_size) if r != 1]  # every survivor reported
-    for rank, (msg, elapsed) in got.items():
+    for rank, (msg, elapsed, workspace_bytes) in got.items():
+        assert workspace_bytes == 0, (rank, workspace_bytes)
         # Survivors fail in the combine (they wait for rank 1's expert output) or, with a dead peer
         # whose socket closed, wherever they were.
         where = "of chunk 0" if path == "pipeline" else "combine all-to-all"
