@@ -55,6 +55,7 @@ class BenchPoint:
     #                                    min_combine (slowest rank)
     direct: bool = False             # dispatch/combine moved rows point-to-point (no regroup)
     serial_limit_vs_raw: float = 0.0  # 2 raw / (min dispatch + min combine): see the module docstring
+    cached_freed_memory: bool = False  # moe_comm.launch.cache_freed_memory took effect in the ranks
 
     def as_dict(self) -> Dict:
         return asdict(self)
@@ -224,6 +225,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def bench_rank(rank: int, world_size: int, opts: Dict) -> List[Dict]:
     """Run every grid point on this rank (collective); returns the points (rank 0's view)."""
     from .config import MoEConfig
+    from .launch import freed_memory_cached
     from .layer import MoELayer
     from .workloads import make_workload
 
@@ -246,6 +248,7 @@ def bench_rank(rank: int, world_size: int, opts: Dict) -> List[Dict]:
             d = Dispatcher(num_experts=E)
             point = measure_dispatch(x, idx, w, d, repeats=opts.get("repeats", 10))
             point.num_chunks = pt["chunks"]
+            point.cached_freed_memory = freed_memory_cached()
             point.workload = pt["workload"]
             if opts.get("layer", True):
                 cfg = MoEConfig(hidden_size=H, ffn_hidden_size=opts.get("ffn", 256), num_experts=E, top_k=K,

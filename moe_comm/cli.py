@@ -220,7 +220,7 @@ def _plot_bench(points: List[dict], path: str) -> None:
 
 def cmd_bench(ns: argparse.Namespace) -> int:
     from .bench import bench_rank
-    from .launch import launched_by_torchrun, run_ranks
+    from .launch import run_ranks
 
     err = _check_bench_args(ns)
     if err:
@@ -237,8 +237,9 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     _print_bench(points)
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump({"command": "bench", "options": opts, "cached_freed_memory": not launched_by_torchrun(),
-                       "points": points}, f, indent=2)
+            json.dump({"command": "bench", "options": opts,
+                       "cached_freed_memory": all(p["cached_freed_memory"] for p in points), "points": points}, f,
+                      indent=2)
     if ns.plot:
         _plot_bench(points, ns.plot)
     return 0

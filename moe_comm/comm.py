@@ -8,6 +8,7 @@ bfloat16 reductions, but an all-to-all needs no arithmetic).
 from __future__ import annotations
 
 import datetime
+import time
 from typing import List, Optional, Tuple
 
 import torch
@@ -22,10 +23,10 @@ class CollectiveError(RuntimeError):
 
 
 def wait_work(work, phase: str, chunk: int = -1, *, timeout: Optional[float] = None, rank: int = 0,
-              direction: str = "fwd") -> None:
+              direction: str = "fwd", what: str = "all-to-all") -> None:
     """``work.wait()`` that turns a failure or timeout into a CollectiveError naming where it happened.
 
-    timeout: seconds (None: the process group's own timeout).
+    timeout: seconds (None: the process group's own timeout). what: the kind of transfer, for the message.
     """
     if work is None:
         return
@@ -36,7 +37,7 @@ def wait_work(work, phase: str, chunk: int = -1, *, timeout: Optional[float] = N
             work.wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as e:
         where = phase if chunk < 0 else f"{phase} of chunk {chunk}"
-        raise CollectiveError(f"moe_comm: EP rank {rank}: the {where} all-to-all ({direction}) failed or timed "
+        raise CollectiveError(f"moe_comm: EP rank {rank}: the {where} {what} ({direction}) failed or timed "
                               f"out; a peer rank may have died or stalled: {e}") from e
 
 
@@ -126,14 +127,14 @@ def exchange_counts(send_WX: torch.Tensor, group: Optional[dist.ProcessGroup], *
 
 def exchange_segments(out_RH: torch.Tensor, x_NH: torch.Tensor, sends: List[Tuple[int, int, int, int]],
                       recvs: List[Tuple[int, int, int, int]], group: Optional[dist.ProcessGroup], *,
-                      phase: str, timeout: Optional[float] = None) -> None:
+                      phase: str, direction: str = "fwd", timeout: Optional[float] = None) -> None:
     """Move row segments between ranks with point-to-point sends, straight into their final rows.
 
     sends / recvs: (peer rank in group, tag, first row, rows) of ``x_NH`` / ``out_RH``. Between two
     ranks, the k-th send with a tag meets the k-th receive with that tag, so both sides list a
     pair's segments in the same order; empty segments are skipped on both sides alike. Segments a
-    rank sends to itself are copied, the i-th self send into the i-th self receive. Waits for all.
-    Both tensors contiguous, same row width and dtype.
+    rank sends to itself are copied, the i-th self send into the i-th self receive. Waits for all,
+    ``timeout`` seconds for the whole exchange. Both tensors contiguous, same row width and dtype.
     """
     me = group_rank(group)
     if x_NH.shape[1:].numel() == 0:
@@ -151,8 +152,10 @@ def exchange_segments(out_RH: torch.Tensor, x_NH: torch.Tensor, sends: List[Tupl
     own_recvs = [(s, n) for p, _, s, n in recvs if p == me and n]
     for (s, n), (r, m) in zip(own_sends, own_recvs, strict=True):  # while the peers' rows travel
         ob[r:r + m].copy_(xb[s:s + n])
+    deadline = None if timeout is None else time.monotonic() + timeout
     for w in works:
-        wait_work(w, phase, timeout=timeout, rank=me)
+        left = None if deadline is None else max(deadline - time.monotonic(), 1e-3)
+        wait_work(w, phase, timeout=left, rank=me, direction=direction, what="point-to-point transfer")
 
 
 def all_to_all_v_async(out_RH: torch.Tensor, x_RH: torch.Tensor, out_splits: List[int], in_splits: List[int],

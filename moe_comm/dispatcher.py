@@ -34,9 +34,11 @@ __all__ = ["Dispatcher", "DispatchOutput", "DispatchHandle", "ChunkPlan"]
 
 _call_ids = itertools.count()
 # Status words after the counts: invalid expert ids, non-finite rows (strict), input rejected,
-# row bytes, dtype code, num_experts (-1: unknown on a rank that rejected its input), routed rows N
-# (every rank learns every rank's N, so all take the same direct / regroup decision).
-_STATUS = 7
+# row bytes, dtype code, num_experts (-1: unknown on a rank that rejected its input), routed rows N and
+# direct_min_bytes (every rank learns every rank's N and threshold, so all take the same direct /
+# regroup decision, or all raise when the thresholds differ).
+_STATUS = 8
+_INT64_MAX = 2 ** 63 - 1
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _DTYPE_CODES = {dt: i + 1 for i, dt in enumerate(_DTYPES)}
 _DTYPE_NAMES = {i + 1: str(dt).replace("torch.", "") for i, dt in enumerate(_DTYPES)}
@@ -142,13 +144,13 @@ class _DispatchRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, x_NH, d: "Dispatcher", handle: DispatchHandle):
         ctx.d, ctx.handle = d, handle
-        return d._to_experts(x_NH, handle.chunks[0], "dispatch")
+        return d._to_experts(x_NH, handle.chunks[0], "dispatch", "fwd")
 
     @staticmethod
     def backward(ctx, grad_RH):
         d, handle = ctx.d, ctx.handle
         plan = handle.chunks[0]
-        grad_NH = d._to_tokens(grad_RH.contiguous(), plan, "dispatch",
+        grad_NH = d._to_tokens(grad_RH.contiguous(), plan, "dispatch", "bwd",
                                out=d.workspace.rows("grad_rows", plan.num_rows, grad_RH.shape[1], grad_RH))
         impl = select_backend(d.backend, grad_RH.device)
         return impl.unpermute_rows(grad_NH, handle.layout.dest_row_TK), None, None, None
@@ -162,11 +164,11 @@ class _CombineRows(torch.autograd.Function):
         ctx.d, ctx.handle = d, handle
         plan = handle.chunks[0]
         out = None if keep else d.workspace.rows("combined", plan.num_rows, y_RH.shape[1], y_RH)
-        return d._to_tokens(y_RH.contiguous(), plan, "combine", out=out)
+        return d._to_tokens(y_RH.contiguous(), plan, "combine", "fwd", out=out)
 
     @staticmethod
     def backward(ctx, grad_NH):
-        return ctx.d._to_experts(grad_NH.contiguous(), ctx.handle.chunks[0], "combine"), None, None, None
+        return ctx.d._to_experts(grad_NH.contiguous(), ctx.handle.chunks[0], "combine", "bwd"), None, None, None
 
 
 class Dispatcher:
@@ -259,14 +261,16 @@ class Dispatcher:
         device = x_TH.device if isinstance(x_TH, torch.Tensor) else torch.device("cpu")
         if layout is None:
             counts_CWe = torch.zeros(C, W, e, dtype=torch.int64, device=device)
-            status = torch.tensor([0, 0, 1, -1, -1, self.num_experts, 0], dtype=torch.int64, device=device)
+            status = torch.tensor([0, 0, 1, -1, -1, self.num_experts, 0, min(self.direct_min_bytes, _INT64_MAX)],
+                                  dtype=torch.int64, device=device)
         else:
             counts_CWe = layout.counts_CWe
             nonfinite = (~torch.isfinite(x_TH)).any(1).sum() if self.strict else torch.zeros_like(layout.num_invalid)
             row = torch.tensor([x_TH.shape[1] * x_TH.element_size(), _DTYPE_CODES.get(x_TH.dtype, 0),
                                 self.num_experts], dtype=torch.int64, device=device)
+            threshold = torch.tensor([min(self.direct_min_bytes, _INT64_MAX)], dtype=torch.int64, device=device)
             status = torch.cat([torch.stack([layout.num_invalid, nonfinite, torch.zeros_like(nonfinite)]).to(torch.int64),
-                                row, counts_CWe.sum().reshape(1)])
+                                row, counts_CWe.sum().reshape(1), threshold])
         # Row w of send goes to rank w: its counts for every chunk, then this rank's status words
         # (invalid expert ids, non-finite rows in strict mode, input rejected, ...), so every rank
         # learns of a bad input in the exchange that happens anyway, and all raise the same error.
@@ -296,7 +300,8 @@ class Dispatcher:
                                         "input, every rank raised, no tokens were sent]") from local_error
             raise ValueError(f"EP rank(s) {bad} rejected their input (their error says why); every rank "
                              "raised, no tokens were sent")
-        for col, what in ((3, "row bytes (H x element size)"), (4, "dtype"), (5, "num_experts")):
+        for col, what in ((3, "row bytes (H x element size)"), (4, "dtype"), (5, "num_experts"),
+                          (7, "direct_min_bytes")):
             seen = {status_W[w][col] for w in range(W) if status_W[w][col] >= 0}
             if len(seen) > 1:  # rows travel as bytes: a mismatch would be garbage or a gloo abort
                 by = {v: [w for w in range(W) if status_W[w][col] == v] for v in sorted(seen)}
@@ -365,7 +370,7 @@ class Dispatcher:
                 start += plan.recv_We[s][j]
         return by_dest, by_expert
 
-    def _to_experts(self, x_NH: torch.Tensor, plan: ChunkPlan, phase: str = "dispatch",
+    def _to_experts(self, x_NH: torch.Tensor, plan: ChunkPlan, phase: str, direction: str,
                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Rows in sent order [N, H] -> this rank's expert-major rows [R, H] (``out`` or fresh)."""
         out = x_NH.new_empty(plan.num_recv, x_NH.shape[1]) if out is None else out
@@ -373,18 +378,19 @@ class Dispatcher:
         if plan.direct:
             by_dest, by_expert = self._segments(plan)
             with self.workspace.dropped_on_error():
-                exchange_segments(out, x_NH, by_dest, by_expert, self.group, phase=phase, timeout=self.timeout)
+                exchange_segments(out, x_NH, by_dest, by_expert, self.group, phase=phase, direction=direction,
+                                  timeout=self.timeout)
         else:
             recv = out if plan.expert_index_R is None else self.workspace.rows("recv", plan.num_recv, x_NH.shape[1], x_NH)
             with self.workspace.dropped_on_error():
                 wait_work(all_to_all_v_async(recv, x_NH, plan.recv_splits_W, plan.send_splits_W, self.group), phase,
-                          timeout=self.timeout, rank=self.rank)
+                          timeout=self.timeout, rank=self.rank, direction=direction)
             if plan.expert_index_R is not None:
                 select_backend(self.backend, x_NH.device).permute_rows(recv, plan.expert_index_R, out=out)
         self.timeline.comm(phase, None, start=t0)
         return out
 
-    def _to_tokens(self, y_RH: torch.Tensor, plan: ChunkPlan, phase: str = "combine",
+    def _to_tokens(self, y_RH: torch.Tensor, plan: ChunkPlan, phase: str, direction: str,
                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Expert-major rows [R, H] -> rows in sent order [N, H] on their tokens' ranks (``out`` or fresh)."""
         out = y_RH.new_empty(plan.num_rows, y_RH.shape[1]) if out is None else out
@@ -392,14 +398,15 @@ class Dispatcher:
         if plan.direct:
             by_dest, by_expert = self._segments(plan)
             with self.workspace.dropped_on_error():
-                exchange_segments(out, y_RH, by_expert, by_dest, self.group, phase=phase, timeout=self.timeout)
+                exchange_segments(out, y_RH, by_expert, by_dest, self.group, phase=phase, direction=direction,
+                                  timeout=self.timeout)
         else:
             if plan.expert_index_R is not None:
                 y_RH = select_backend(self.backend, y_RH.device).permute_rows(
                     y_RH, plan.source_index_R, out=self.workspace.rows("back", plan.num_recv, y_RH.shape[1], y_RH))
             with self.workspace.dropped_on_error():
                 wait_work(all_to_all_v_async(out, y_RH, plan.send_splits_W, plan.recv_splits_W, self.group), phase,
-                          timeout=self.timeout, rank=self.rank)
+                          timeout=self.timeout, rank=self.rank, direction=direction)
         self.timeline.comm(phase, None, start=t0)
         return out
 
@@ -416,12 +423,15 @@ class Dispatcher:
         pending = self._plan_begin(x_TH, topk_idx_TK, num_chunks=1)
         layout, send_SH = pending.layout, None
         if layout is not None and self.world_size > 1:
-            # Permute while the counts travel: N is not known on the host yet, so every slot (dropped
-            # ones last) is copied into a [T*K, H] workspace; the first N rows are the send buffer.
+            # Permute while the counts travel. On CPU, N is read now (no device to wait for); on an
+            # accelerator that would be a second host sync, so every slot (dropped ones last) is copied
+            # into a [T*K, H] workspace and the first N rows are the send buffer. The gradient reaches
+            # x_TH through _DispatchRows, so this copy is made without autograd.
             with self.timeline.compute("permute"):
-                S = layout.num_tokens * layout.top_k
+                rows = layout.num_rows if x_TH.device.type == "cpu" else layout.num_tokens * layout.top_k
                 send_SH = select_backend(self.backend, x_TH.device).permute_rows(
-                    x_TH.contiguous(), layout.token_S, out=self.workspace.rows("send", S, x_TH.shape[1], x_TH))
+                    x_TH.detach().contiguous(), layout.token_S[:rows],
+                    out=self.workspace.rows("send", rows, x_TH.shape[1], x_TH))
         handle = self._plan_end(pending, allow_direct=True)
         plan = handle.chunks[0]
         if self.world_size == 1:  # the permuted rows are the result

@@ -15,7 +15,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_ranks", "launched_by_torchrun", "free_port", "cache_freed_memory"]
+__all__ = ["run_ranks", "launched_by_torchrun", "free_port", "cache_freed_memory", "freed_memory_cached"]
+
+_freed_memory_cached = False
 
 
 def launched_by_torchrun() -> bool:
@@ -48,9 +50,17 @@ def cache_freed_memory() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
+    global _freed_memory_cached
     m_trim_threshold, m_top_pad, m_mmap_max = -1, -2, -4  # <malloc.h>
-    return all(mallopt(opt, val) == 1 for opt, val in ((m_mmap_max, 0), (m_trim_threshold, 2 ** 31 - 1),
-                                                        (m_top_pad, 64 << 20)))
+    ok = all(mallopt(opt, val) == 1 for opt, val in ((m_mmap_max, 0), (m_trim_threshold, 2 ** 31 - 1),
+                                                      (m_top_pad, 64 << 20)))
+    _freed_memory_cached = _freed_memory_cached or ok
+    return ok
+
+
+def freed_memory_cached() -> bool:
+    """Whether ``cache_freed_memory()`` took effect in this process."""
+    return _freed_memory_cached
 
 
 def _entry(rank: int, world_size: int, port: int, result_dir: str, threads: int, timeout: float, cache_memory: bool,

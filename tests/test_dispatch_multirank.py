@@ -29,9 +29,9 @@ def _routing(seed, E, K, drop, one_expert_rank):
     return routing_of
 
 
-def _dispatcher(E, direct):
+def _dispatcher(E, direct, backend="auto"):
     # direct_min_bytes=0: point-to-point straight into expert-major rows; huge: all-to-all + regroup.
-    return moe_comm.Dispatcher(num_experts=E, direct_min_bytes=0 if direct else 1 << 40)
+    return moe_comm.Dispatcher(num_experts=E, direct_min_bytes=0 if direct else 1 << 40, backend=backend)
 
 
 def _rank_dispatch(rank, world_size, seed, E, K, drop, one_expert_rank, dtype, direct):
@@ -63,10 +63,10 @@ def test_dispatch_self_checking_payload(ranks, world_size, E, K, drop, one_exper
     assert {took for _, took in results} == {direct and world_size > 1 and E // world_size > 1}
 
 
-def _rank_gradients(rank, world_size, direct):
+def _rank_gradients(rank, world_size, direct, backend):
     """dispatch -> (rows * (g + 1)) -> combine: d y / d x = sum_k w_k (g_k + 1); d y / d w_k = (g_k + 1) x."""
     E, K, T = 8, 2, _tokens(rank)
-    d = _dispatcher(E, direct)
+    d = _dispatcher(E, direct, backend)
     g = torch.Generator().manual_seed(rank)
     idx = torch.rand(T, E, generator=g).argsort(1)[:, :K]
     x = torch.randn(T, H, generator=g, dtype=torch.float64, requires_grad=True)
@@ -86,10 +86,11 @@ def _rank_gradients(rank, world_size, direct):
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("direct", [False, True], ids=["a2a_regroup", "direct"])
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_dispatch_combine_gradients(ranks, world_size, direct):
-    assert all(ranks(world_size).run(_rank_gradients, direct))
+def test_dispatch_combine_gradients(ranks, world_size, direct, backend):
+    assert all(ranks(world_size).run(_rank_gradients, direct, backend))
 
 
 def _rank_direct_equals_a2a(rank, world_size, iters):

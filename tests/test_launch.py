@@ -6,9 +6,10 @@ import pytest
 
 _PROBE = r"""
 import resource, sys, torch
-from moe_comm.launch import cache_freed_memory
+from moe_comm.launch import cache_freed_memory, freed_memory_cached
+assert not freed_memory_cached()
 if sys.argv[1] == "cache":
-    assert cache_freed_memory()
+    assert cache_freed_memory() and freed_memory_cached()
 n = 64 << 20
 torch.empty(n, dtype=torch.uint8).fill_(1)  # first use of 64 MiB: faults either way
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -220,7 +220,7 @@ def test_dead_or_stuck_peer_raises_within_timeout(tmp_path, mode, world_size, pa
         assert workspace_bytes == 0, (rank, workspace_bytes)
         # Survivors fail in the combine (they wait for rank 1's expert output) or, with a dead peer
         # whose socket closed, wherever they were.
-        where = "of chunk 0" if path == "pipeline" else "combine all-to-all"
+        where = "of chunk 0" if path == "pipeline" else "combine point-to-point transfer (fwd)"
         assert f"EP rank {rank}" in msg and where in msg, msg
         assert elapsed < 3.0 + 5.0, (rank, elapsed)  # the timeout plus a margin for scheduling
 
@@ -269,7 +269,7 @@ def test_layer_input_error_on_one_rank_raises_everywhere(ranks, world_size):
 
 
 def _rank_mismatch(rank, world_size, what):
-    d = moe_comm.Dispatcher(num_experts=4)
+    d = moe_comm.Dispatcher(num_experts=4, direct_min_bytes=0 if rank == 1 and what == "threshold" else 1 << 20)
     x, idx = _good(rank)
     if rank == 1 and what == "hidden":
         x = x[:, :6].contiguous()
@@ -286,7 +286,8 @@ def _rank_mismatch(rank, world_size, what):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("what,needle", [("hidden", "row bytes (H x element size): 24 on ranks [1], 32 on ranks [0]"),
-                                         ("dtype", "dtype: float16 on ranks [1], bfloat16 on ranks [0]")])
+                                         ("dtype", "dtype: float16 on ranks [1], bfloat16 on ranks [0]"),
+                                         ("threshold", "direct_min_bytes: 0 on ranks [1], 1048576 on ranks [0]")])
 def test_rows_of_different_size_or_dtype_raise_everywhere(ranks, what, needle):
     for e in ranks(2).run(_rank_mismatch, what):
         assert e is not None and needle in e, e
