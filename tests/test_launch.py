@@ -11,9 +11,11 @@ assert not freed_memory_cached()
 if sys.argv[1] == "cache":
     assert cache_freed_memory() and freed_memory_cached()
 n = 64 << 20
-torch.empty(n, dtype=torch.uint8).fill_(1)  # first use of 64 MiB: faults either way
+for _ in range(3):  # first uses: fault either way, and the heap settles into reusable free blocks
+    torch.empty(n, dtype=torch.uint8).fill_(1)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-torch.empty(n, dtype=torch.uint8).fill_(1)  # freed and allocated again
+for _ in range(4):  # freed and allocated again
+    torch.empty(n, dtype=torch.uint8).fill_(1)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
@@ -27,6 +29,7 @@ def _faults(mode: str) -> int:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
 def test_cache_freed_memory_stops_page_faults_on_reuse():
     plain, cached = _faults("plain"), _faults("cache")
-    # 64 MiB of 4 KiB pages is 16384 faults when glibc unmaps and maps again; reused heap memory: ~none.
-    assert plain > 4000, plain
+    # 4 x 64 MiB of 4 KiB pages is 65536 faults when glibc unmaps and maps again; reused heap memory: ~none.
+    # (A single reuse right after the first allocation can still land on fresh heap pages: warm up first.)
+    assert plain > 16000, plain
     assert cached < plain / 20, (cached, plain)
