@@ -144,19 +144,19 @@ def measure_dispatch(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_
     counts = torch.zeros(W, dispatcher.num_local_experts + 3, dtype=torch.int64)
     y_RH = out.tokens.clone()
     back_NH = torch.empty_like(x_NH)
-    send_SH = x_TH.new_empty(x_TH.shape[0] * topk_idx_TK.shape[1], H)
+    send_NH = torch.empty_like(x_NH)
 
     def min_dispatch():
         layout = ops.make_layout(topk_idx_TK, dispatcher.num_experts, num_ranks=W)
         send_WX = torch.cat([layout.counts_CWe[0], counts[:, dispatcher.num_local_experts:]], dim=1)
         recv_WX, work = exchange_counts_async(send_WX, group)
-        select_backend("auto", x_TH.device).permute_rows(x_TH, layout.token_S, out=send_SH)
+        select_backend("auto", x_TH.device).permute_rows(x_TH, layout.token_S[:plan.num_rows], out=send_NH)
         wait_work(work, "counts exchange")
         recv_WX.tolist()  # host sync: the split sizes, as any dispatch needs
-        _raw(send_SH[:plan.num_rows], raw_out, plan, group)
+        _raw(send_NH, raw_out, plan, group)
 
     def min_combine():
-        _raw_back(raw_out, back_NH, plan, group)
+        _raw(raw_out, back_NH, plan, group, back=True)
         ops.unpermute(back_NH, handle.layout, topk_weight_TK)
 
     phases = {
@@ -199,16 +199,12 @@ def measure_dispatch(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_
                       serial_limit_vs_raw=2 * r / (med["min_dispatch"] + med["min_combine"]))
 
 
-def _raw(x_NH, out_RH, plan, group):
+def _raw(x, out, plan, group, back: bool = False):
+    """The raw all-to-all of the dispatch's bytes and splits (``back``: the combine's direction)."""
     from .comm import all_to_all_v_async, wait_work
 
-    wait_work(all_to_all_v_async(out_RH, x_NH, plan.recv_splits_W, plan.send_splits_W, group), "raw a2a")
-
-
-def _raw_back(y_RH, out_NH, plan, group):
-    from .comm import all_to_all_v_async, wait_work
-
-    wait_work(all_to_all_v_async(out_NH, y_RH, plan.send_splits_W, plan.recv_splits_W, group), "raw a2a back")
+    out_splits, in_splits = (plan.send_splits_W, plan.recv_splits_W) if back else (plan.recv_splits_W, plan.send_splits_W)
+    wait_work(all_to_all_v_async(out, x, out_splits, in_splits, group), "raw a2a")
 
 
 def grid_points(opts: Dict) -> List[Dict]:
