@@ -385,15 +385,20 @@ class Dispatcher:
             with self.workspace.dropped_on_error():
                 wait_work(all_to_all_v_async(recv, x_NH, plan.recv_splits_W, plan.send_splits_W, self.group), phase,
                           timeout=self.timeout, rank=self.rank, direction=direction)
-            if plan.expert_index_R is not None:
+        self.timeline.comm(phase, None, start=t0, direction=direction)
+        if not plan.direct and plan.expert_index_R is not None:
+            with self.timeline.compute("regroup", direction=direction):
                 select_backend(self.backend, x_NH.device).permute_rows(recv, plan.expert_index_R, out=out)
-        self.timeline.comm(phase, None, start=t0)
         return out
 
     def _to_tokens(self, y_RH: torch.Tensor, plan: ChunkPlan, phase: str, direction: str,
                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Expert-major rows [R, H] -> rows in sent order [N, H] on their tokens' ranks (``out`` or fresh)."""
         out = y_RH.new_empty(plan.num_rows, y_RH.shape[1]) if out is None else out
+        if not plan.direct and plan.expert_index_R is not None:
+            with self.timeline.compute("regroup", direction=direction):
+                y_RH = select_backend(self.backend, y_RH.device).permute_rows(
+                    y_RH, plan.source_index_R, out=self.workspace.rows("back", plan.num_recv, y_RH.shape[1], y_RH))
         t0 = self.timeline.mark()
         if plan.direct:
             by_dest, by_expert = self._segments(plan)
@@ -401,13 +406,10 @@ class Dispatcher:
                 exchange_segments(out, y_RH, by_expert, by_dest, self.group, phase=phase, direction=direction,
                                   timeout=self.timeout)
         else:
-            if plan.expert_index_R is not None:
-                y_RH = select_backend(self.backend, y_RH.device).permute_rows(
-                    y_RH, plan.source_index_R, out=self.workspace.rows("back", plan.num_recv, y_RH.shape[1], y_RH))
             with self.workspace.dropped_on_error():
                 wait_work(all_to_all_v_async(out, y_RH, plan.send_splits_W, plan.recv_splits_W, self.group), phase,
                           timeout=self.timeout, rank=self.rank, direction=direction)
-        self.timeline.comm(phase, None, start=t0)
+        self.timeline.comm(phase, None, start=t0, direction=direction)
         return out
 
     # ---------------------------------------------------------------- public API
@@ -467,7 +469,8 @@ class Dispatcher:
             # y_NH is saved for backward only when the weights need grad: then fresh memory, else a workspace.
             keep = torch.is_grad_enabled() and isinstance(topk_weight_TK, torch.Tensor) and topk_weight_TK.requires_grad
             y_NH = _CombineRows.apply(expert_out_RH, self, handle, keep)
-        return ops.unpermute(y_NH, handle.layout, topk_weight_TK, backend=self.backend)
+        with self.timeline.compute("unpermute"):
+            return ops.unpermute(y_NH, handle.layout, topk_weight_TK, backend=self.backend)
 
     def _call_expert_fn(self, expert_fn: Callable, tokens_RH: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
         if getattr(expert_fn, "wants_host_counts", False):

@@ -127,3 +127,30 @@ def _rank_direct_equals_a2a(rank, world_size, iters):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_direct_path_equals_all_to_all_path(ranks, world_size):
     assert all(ranks(world_size).run(_rank_direct_equals_a2a, 24))
+
+
+def _rank_timeline(rank, world_size, direct):
+    E, K, T = 8, 2, 6
+    d = _dispatcher(E, direct)
+    d.timeline.enabled = True
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(T, H, generator=g, requires_grad=True)
+    idx = torch.rand(T, E, generator=g).argsort(1)[:, :K]
+    out = d.dispatch(x, idx)
+    d.combine(out.tokens, torch.ones(T, K), out.handle).sum().backward()
+    return sorted({(s.phase, s.kind, s.direction) for s in d.timeline.spans()})
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("direct", [False, True], ids=["a2a_regroup", "direct"])
+def test_dispatch_combine_timeline_spans(ranks, direct):
+    """Every phase of dispatch/combine, forward and backward, is on the timeline; the regroup is a
+    compute span of its own (not inside the comm span), and there is none on the direct path."""
+    for phases in ranks(2).run(_rank_timeline, direct):
+        expected = {("layout", "compute", "fwd"), ("permute", "compute", "fwd"), ("counts", "comm", "fwd"),
+                    ("unpermute", "compute", "fwd"),
+                    ("dispatch", "comm", "fwd"), ("combine", "comm", "fwd"),
+                    ("combine", "comm", "bwd"), ("dispatch", "comm", "bwd")}
+        if not direct:
+            expected |= {("regroup", "compute", d) for d in ("fwd", "bwd")}
+        assert set(phases) == expected, phases
