@@ -207,6 +207,8 @@ def _plot_bench(points: List[dict], path: str) -> None:
     ax.plot(x, [p["raw_gbps"] for p in pts], "k--o", label="raw all_to_all_single (same bytes)")
     ax.plot(x, [p["dispatch_gbps"] for p in pts], "-o", label="moe_comm dispatch")
     ax.plot(x, [p["combine_gbps"] for p in pts], "-s", label="moe_comm combine")
+    ax.plot(x, [p["dispatch_bytes"] / p["phases_s"]["min_dispatch"] / 1e9 for p in pts], ":^", color="gray",
+            label="minimal dispatch over the same transport")
     ax.set_xscale("log")
     ax.set_xlabel("message per rank pair (MiB)")
     ax.set_ylabel("GB/s (bytes leaving a rank / time)")
