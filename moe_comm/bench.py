@@ -176,7 +176,7 @@ def measure_dispatch(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_
         holder = {}
         td = timed(lambda: holder.setdefault("out", dispatcher.dispatch(x_TH, topk_idx_TK)), group)
         tc = timed(lambda: dispatcher.combine(y_RH, topk_weight_TK, holder["out"].handle), group)
-        del holder  # the dispatch output dies here, as in a layer: the next one can reuse its memory
+        holder.clear()  # the dispatch output dies here, as in a layer: the next one can reuse its memory
         times = {"dispatch": td, "combine": tc}
         for name, fn in phases.items():
             times[name] = timed(fn, group)

@@ -188,8 +188,8 @@ def _print_bench(points: List[dict]) -> None:
                   f"{p['layer_step_s'] * 1e3:.1f}" if p["layer_step_s"] else "-")
     t.caption = ("e2e/raw = 2 x raw a2a time / (dispatch + combine time); limit = 2 x raw / (min dispatch + "
                  "min combine): the unavoidable passes (layout, counts under the permute, raw a2a; raw a2a, "
-                 "unpermute) timed back to back, none overlapping a transfer (moe_comm/bench.py); path: p2p = rows sent point-to-point into expert-major order, a2a = one "
-                 "all-to-all + regroup; phase columns in ms, each timed on its own, each including one barrier "
+                 "unpermute) timed back to back, none overlapping a transfer (moe_comm/bench.py); path: p2p = "
+                 "rows sent point-to-point into expert-major order, a2a = one all-to-all + regroup; phase columns in ms, each timed on its own, each including one barrier "
                  "(floor); layer ms = pipelined MoELayer forward+backward with C chunks")
     Console(width=220).print(t)
 

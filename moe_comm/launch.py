@@ -111,7 +111,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, threads_per_rank: 
         return out
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
     with tempfile.TemporaryDirectory(prefix="moe_comm_run_") as tmp:
-        mp.start_processes(_entry, args=(world_size, free_port(), tmp, threads, timeout, cache_memory, fn, args), nprocs=world_size,
-                           join=True, start_method="spawn")
+        mp.start_processes(_entry, args=(world_size, free_port(), tmp, threads, timeout, cache_memory, fn, args),
+                           nprocs=world_size, join=True, start_method="spawn")
         path = os.path.join(tmp, "result.pt")
         return torch.load(path, weights_only=False) if os.path.exists(path) else None

@@ -104,6 +104,18 @@ def _check_out(out, name: str, shape: Tuple[int, int], dtype: torch.dtype) -> No
         raise TypeError(f"{name} must have dtype {dtype}, got {out.dtype}")
 
 
+def _write(out: Optional[torch.Tensor], shape: Tuple[int, int], dtype: torch.dtype, fill) -> torch.Tensor:
+    """``fill(dst)`` into ``out`` (checked) or a new tensor; a non-contiguous ``out`` gets a contiguous
+    staging buffer copied in after (the kernels write dense rows)."""
+    if out is None:
+        out = torch.empty(shape, dtype=dtype)
+    else:
+        _check_out(out, "out", shape, dtype)
+    dst = out if out.is_contiguous() else torch.empty(shape, dtype=dtype)
+    fill(dst)
+    return out if dst is out else out.copy_(dst)
+
+
 def permute_rows(x_TH: torch.Tensor, token_N: torch.Tensor, scale_N: Optional[torch.Tensor] = None,
                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Gather rows: ``out[n] = x_TH[token_N[n]]`` (times ``scale_N[n]`` when given).
@@ -129,13 +141,8 @@ def permute_rows(x_TH: torch.Tensor, token_N: torch.Tensor, scale_N: Optional[to
         if scale_N.shape[0] != N:
             raise ValueError(f"scale_N must have shape ({N},) like token_N, got {tuple(scale_N.shape)}")
         scale_N = scale_N.to(acc_dtype(x_TH.dtype)).contiguous()
-    if out is None:
-        out = torch.empty(N, H, dtype=x_TH.dtype)
-    else:
-        _check_out(out, "out", (N, H), x_TH.dtype)
-    dst = out if out.is_contiguous() else torch.empty(N, H, dtype=x_TH.dtype)
-    _ext().permute_rows(x_TH.contiguous(), token_N, scale_N, dst)
-    return out if dst is out else out.copy_(dst)
+    x_TH = x_TH.contiguous()
+    return _write(out, (N, H), x_TH.dtype, lambda dst: _ext().permute_rows(x_TH, token_N, scale_N, dst))
 
 
 def unpermute_rows(y_NH: torch.Tensor, row_TK: torch.Tensor, weight_TK: Optional[torch.Tensor] = None,
@@ -163,13 +170,8 @@ def unpermute_rows(y_NH: torch.Tensor, row_TK: torch.Tensor, weight_TK: Optional
             raise ValueError(f"weight_TK must have shape {tuple(row_TK.shape)} like row_TK, "
                              f"got {tuple(weight_TK.shape)}")
         weight_TK = weight_TK.to(acc_dtype(y_NH.dtype)).contiguous()
-    if out is None:
-        out = torch.empty(T, H, dtype=y_NH.dtype)
-    else:
-        _check_out(out, "out", (T, H), y_NH.dtype)
-    dst = out if out.is_contiguous() else torch.empty(T, H, dtype=y_NH.dtype)
-    _ext().unpermute_rows(y_NH.contiguous(), row_TK, weight_TK, dst)
-    return out if dst is out else out.copy_(dst)
+    y_NH = y_NH.contiguous()
+    return _write(out, (T, H), y_NH.dtype, lambda dst: _ext().unpermute_rows(y_NH, row_TK, weight_TK, dst))
 
 
 def unpermute_weight_grad(grad_TH: torch.Tensor, y_NH: torch.Tensor, row_TK: torch.Tensor) -> torch.Tensor:

@@ -209,6 +209,17 @@ def _check_out(out, shape, dtype, ref_name: str, ref: torch.Tensor) -> None:
         raise ValueError(f"out must be on {ref_name}'s device {ref.device}, got {out.device}")
 
 
+def _staged(out: Optional[torch.Tensor], shape, ref: torch.Tensor, launch) -> torch.Tensor:
+    """``launch(dst)`` into ``out`` or a new tensor like ``ref``; an ``out`` whose rows are not dense
+    gets a staging buffer copied in after (the kernels write rows with unit stride)."""
+    dst = out if out is not None and out.stride(-1) == 1 else torch.empty(shape, dtype=ref.dtype, device=ref.device)
+    launch(dst)
+    if out is not None and dst is not out:
+        out.copy_(dst)
+        return out
+    return dst
+
+
 def permute_rows(x_TH: torch.Tensor, token_N: torch.Tensor, scale_N: Optional[torch.Tensor] = None,
                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Gather rows: ``out[n] = x_TH[token_N[n]]`` (times ``scale_N[n]`` when given); bit-exact vs reference.
@@ -242,14 +253,11 @@ def permute_rows(x_TH: torch.Tensor, token_N: torch.Tensor, scale_N: Optional[to
         raise ValueError(f"token_N has {N} rows but x_TH has no tokens (T=0): every index is out of range")
     if out is not None:
         _check_out(out, (N, H), x_TH.dtype, "x_TH", x_TH)
-    dst = out if out is not None and out.stride(-1) == 1 else torch.empty(N, H, dtype=x_TH.dtype, device=x_TH.device)
-    if N > 0 and H > 0:
-        _launch_permute(_rows_last_dense(x_TH), token_N.contiguous(),
-                        scale_N.contiguous() if scale_N is not None else None, dst)
-    if out is not None and dst is not out:
-        out.copy_(dst)
-        return out
-    return dst
+    def launch(dst):
+        if N > 0 and H > 0:
+            _launch_permute(_rows_last_dense(x_TH), token_N.contiguous(),
+                            scale_N.contiguous() if scale_N is not None else None, dst)
+    return _staged(out, (N, H), x_TH, launch)
 
 
 def unpermute_rows(y_NH: torch.Tensor, row_TK: torch.Tensor, weight_TK: Optional[torch.Tensor] = None,
@@ -287,13 +295,8 @@ def unpermute_rows(y_NH: torch.Tensor, row_TK: torch.Tensor, weight_TK: Optional
         if out is not None:
             return out.zero_()
         return torch.zeros(T, H, dtype=y_NH.dtype, device=y_NH.device)
-    dst = out if out is not None and out.stride(-1) == 1 else torch.empty(T, H, dtype=y_NH.dtype, device=y_NH.device)
-    _launch_unpermute(_rows_last_dense(y_NH), row_TK.contiguous(),
-                      weight_TK.contiguous() if weight_TK is not None else None, dst)
-    if out is not None and dst is not out:
-        out.copy_(dst)
-        return out
-    return dst
+    return _staged(out, (T, H), y_NH, lambda dst: _launch_unpermute(
+        _rows_last_dense(y_NH), row_TK.contiguous(), weight_TK.contiguous() if weight_TK is not None else None, dst))
 
 
 def unpermute_weight_grad(grad_TH: torch.Tensor, y_NH: torch.Tensor, row_TK: torch.Tensor) -> torch.Tensor:
