@@ -5,7 +5,7 @@ E experts.
 
 The one script to run on a CUDA machine (sized for an H200: well under 4 minutes).
   (a) correctness at realistic shapes, T in {4096, 16384} x H in {2048, 7168} x K in {2, 8} x
-      E in {16, 256} x {bf16, fp32}, routing from ``moe_comm.layout.make_layout``; plus a case with
+      E in {16, 256} x {bf16, fp32}, routing from ``moe_comm.ops.layout.make_layout``; plus a case with
       dropped slots and experts without tokens, and one with N*H > 2^31 (int64 offsets).
       permute (plain and scaled) must be bit-identical to the reference; unpermute (weighted and plain)
       and the weight gradient must be close (the GPU may fuse multiply-add; the reference does not).
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
               "machine, or use --dry-run-cpu to exercise the script on CPU.", file=sys.stderr)
         return 2
     from moe_comm.kernels import reference, triton_ops
-    from moe_comm.layout import make_layout
+    from moe_comm.ops.layout import make_layout
     if not triton_ops.available():
         print("gpu_check: triton cannot be imported; the Triton kernels cannot run.", file=sys.stderr)
         return 2

@@ -26,10 +26,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import moe_comm  # noqa: E402
-from moe_comm.bench import slowest_median, timed  # noqa: E402
-from moe_comm.comm import all_to_all_v  # noqa: E402
-from moe_comm.launch import run_ranks  # noqa: E402
-from moe_comm.profiling import overlap_report  # noqa: E402
+from moe_comm.tools.bench import slowest_median, timed  # noqa: E402
+from moe_comm.comm.collectives import all_to_all_v  # noqa: E402
+from moe_comm.tools.launch import run_ranks  # noqa: E402
+from moe_comm.profiling.timeline import overlap_report  # noqa: E402
 
 
 def _step(layer, x):
@@ -171,7 +171,7 @@ def main(argv=None):
             if link == "loopback":
                 rc = subprocess.call(cmd)
             else:
-                from moe_comm.slow_link import run_on_slow_link
+                from moe_comm.tools.slow_link import run_on_slow_link
                 rc = run_on_slow_link(cmd, rate=link)
             if rc != 0:
                 print(f"error: worker for link={link} W={W} exited with {rc}", file=sys.stderr)

@@ -27,7 +27,7 @@ from typing import Callable, Dict, List
 import torch
 
 from moe_comm.kernels import native, reference, triton_ops
-from moe_comm.layout import make_layout
+from moe_comm.ops.layout import make_layout
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WARMUP = 3

@@ -3,7 +3,7 @@
 Shapes legend: L history steps, E experts, W ranks, R redundant replicas, K top-k, T tokens per step.
 
 Simulated ranks (planner only, this file's first part): a Zipf(s) routing workload
-(``moe_comm.workloads.zipf``, expert 0 hottest) over E experts, T tokens per step and top-K, counted
+(``moe_comm.testing.workloads.zipf``, expert 0 hottest) over E experts, T tokens per step and top-K, counted
 for L steps of history. ``plan_placement`` plans from that history; the plan is then scored
 
 - planned:   predicted max/mean rank load on the history it was planned from,
@@ -16,7 +16,7 @@ A replicated expert's tokens are split evenly over its replicas. The goal with 8
 max/mean <= 1.10. (E + R) must be divisible by W (every rank holds the same number of slots), so
 R = 4 is only valid for W in {1, 2, 4} when E = 64; such rows say "n/a".
 
-Real ranks (end to end, second part): ``--real-ranks`` W gloo ranks spawned with ``moe_comm.launch.run_ranks``
+Real ranks (end to end, second part): ``--real-ranks`` W gloo ranks spawned with ``moe_comm.tools.launch.run_ranks``
 run a real MoELayer (forward + backward + ``sync_replica_grads``) on the same Zipf workload: each rank's
 tokens are routed to the workload's experts exactly (router weight [I_E | 0], the first E features of x are
 ``workloads.routing_logits``). The layer's own monitor records ``--steps`` warm-up steps; ``plan_placement``
@@ -50,8 +50,8 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from moe_comm.rebalance import plan_placement, rank_loads
-from moe_comm.workloads import count_tokens, routing_logits, zipf
+from moe_comm.placement.planner import plan_placement, rank_loads
+from moe_comm.testing.workloads import count_tokens, routing_logits, zipf
 
 REPEATS = 5  # plan_placement calls timed per row (median reported)
 
@@ -235,7 +235,7 @@ def _real_rank(rank: int, world_size: int, E: int, K: int, T: int, H: int, F: in
 
 def run_real(args: argparse.Namespace) -> List[Dict[str, object]]:
     """End to end on ``--real-ranks`` spawned gloo ranks: one row per (K, R)."""
-    from moe_comm.launch import run_ranks
+    from moe_comm.tools.launch import run_ranks
 
     W, E = args.real_ranks, args.real_experts
     if E % W:

@@ -19,7 +19,7 @@ import subprocess
 import sys
 from typing import List, Optional
 
-from moe_comm.slow_link import parse_delay, parse_rate, run_on_slow_link
+from moe_comm.tools.slow_link import parse_delay, parse_rate, run_on_slow_link
 
 
 def _checked(parse, what: str):

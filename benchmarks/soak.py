@@ -8,7 +8,7 @@ Every step, on every rank, with the step's shape drawn from a generator seeded b
 all ranks agree on it (and the per-rank data from (seed, step, rank)):
 
 1. Dispatcher check (random K, random C, dropped slots, empty ranks, drifting hot spots). Routings come
-   from ``moe_comm.workloads`` "drifting" (2 hot experts holding 60% of the slots, moving one expert every
+   from ``moe_comm.testing.workloads`` "drifting" (2 hot experts holding 60% of the slots, moving one expert every
    ``--period`` steps), K in [1, --max-top-k], C in [1, --max-chunks], a random share of slots set to -1
    (dropped). The expert function multiplies each row by (global expert id + 1), so
    ``y_t = x_t * sum_k w_tk (g_tk + 1)`` over the kept slots. x holds small integers (column 0 the source
@@ -63,8 +63,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import moe_comm  # noqa: E402
-from moe_comm.launch import run_ranks  # noqa: E402
-from moe_comm.workloads import make_workload, target_shares  # noqa: E402
+from moe_comm.tools.launch import run_ranks  # noqa: E402
+from moe_comm.testing.workloads import make_workload, target_shares  # noqa: E402
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _MAX_MESSAGES = 10  # error messages kept per rank (all errors are counted)

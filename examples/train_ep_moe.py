@@ -38,8 +38,8 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import moe_comm
-from moe_comm.checkpoint import full_state_dict
-from moe_comm.launch import run_ranks
+from moe_comm.modules.checkpoint import full_state_dict
+from moe_comm.tools.launch import run_ranks
 
 IN_FEATURES = 16   # D
 OUT_FEATURES = 8   # O
@@ -261,7 +261,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=None, help="default: steps / 12")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may wait")
-    p.add_argument("--save", type=str, default=None, help="save moe_comm.checkpoint.full_state_dict here")
+    p.add_argument("--save", type=str, default=None, help="save moe_comm.modules.checkpoint.full_state_dict here")
     args = p.parse_args(argv)
     W = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else args.world_size
     if W < 1:

@@ -1,17 +1,24 @@
 """moe_comm: expert-parallel Mixture-of-Experts communication for PyTorch.
 
 Public API: MoEConfig, MoELayer, Dispatcher, Router, GroupedExperts, ops (make_layout, permute,
-unpermute), checkpoint helpers, and the dense reference.
+unpermute), checkpoint helpers, LoadMonitor, plan_placement, and the dense reference (``dense_moe``).
+
+Dependency rule (one way, lowest first; tested in tests/test_dependencies.py):
+
+    kernels -> ops -> comm -> dispatch -> {monitor, placement} -> modules
+
+``config``, ``routing``, ``_checks`` and ``profiling`` may be imported from anywhere in the core.
+Nothing in the core imports ``tools`` (cli, bench, diagnose, launch, slow_link) or ``testing`` (dense
+reference, self-checking payloads, routing workloads); those two sit on top. ``import moe_comm`` loads
+neither rich nor matplotlib.
 """
-from . import checkpoint, ops
-from .config import MoEConfig
-from .dispatcher import DispatchHandle, Dispatcher, DispatchOutput
-from .experts import GroupedExperts, SwiGLU
-from .layer import MoELayer
-from .monitor import LoadMonitor
-from .rebalance import Placement, plan_placement
-from .reference import dense_moe
-from .router import Router, RouterOutput, route
+from moe_comm import ops
+from moe_comm.config import MoEConfig
+from moe_comm.dispatch import DispatchHandle, Dispatcher, DispatchOutput
+from moe_comm.modules import GroupedExperts, MoELayer, SwiGLU, checkpoint
+from moe_comm.monitor import LoadMonitor
+from moe_comm.placement import Placement, plan_placement
+from moe_comm.routing import Router, RouterOutput, route
 
 __version__ = "0.1.0"
 
@@ -20,3 +27,11 @@ __all__ = [
     "route", "GroupedExperts", "SwiGLU", "dense_moe", "ops", "checkpoint", "LoadMonitor", "Placement",
     "plan_placement", "__version__",
 ]
+
+
+def __getattr__(name: str):
+    # The dense reference lives in testing/ (the core never imports it); moe_comm.dense_moe stays public.
+    if name == "dense_moe":
+        from moe_comm.testing.reference import dense_moe
+        return dense_moe
+    raise AttributeError(f"module 'moe_comm' has no attribute {name!r}")

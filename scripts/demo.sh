@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=$(bash scripts/setup.sh)
-exec "$PY" -m moe_comm.cli demo "$@"
+exec "$PY" -m moe_comm.tools.cli demo "$@"

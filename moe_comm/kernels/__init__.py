@@ -13,7 +13,7 @@ from types import ModuleType
 
 import torch
 
-from . import reference
+from moe_comm.kernels import reference
 
 __all__ = ["select_backend", "BACKENDS"]
 
@@ -37,22 +37,22 @@ def select_backend(backend: str, device: torch.device) -> ModuleType:
         return reference
     if backend == "auto":
         if device.type == "cuda":
-            from . import triton_ops
+            from moe_comm.kernels import triton_ops
             return triton_ops if triton_ops.available() else reference
         if device.type == "cpu":
-            from . import native
+            from moe_comm.kernels import native
             return native if native.available() else reference
         return reference
     if backend == "native":
         if device.type != "cpu":
             raise ValueError(f"backend='native' runs on CPU tensors, got a tensor on {device}")
-        from . import native
+        from moe_comm.kernels import native
         return native if native.available() else reference
     # triton
     if device.type == "cpu" and not _triton_interpreting():
         raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
                          f"imported for CPU tensors; got a tensor on {device}")
-    from . import triton_ops
+    from moe_comm.kernels import triton_ops
     if not triton_ops.available():
         raise RuntimeError("backend='triton' requested but triton cannot be imported")
     return triton_ops

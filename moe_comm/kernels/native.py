@@ -6,7 +6,7 @@ C chunks.
 Layers: ``csrc/permute.cpp`` holds the kernels; the launchers here validate arguments (``TypeError`` /
 ``ValueError`` naming the argument, got vs expected), make inputs contiguous, cast weights and scales to
 the accumulation dtype and allocate outputs; the autograd layer is ``moe_comm.ops``.
-Semantics are those of ``reference.py`` and ``moe_comm.layout.layout_reference``: permute and
+Semantics are those of ``reference.py`` and ``moe_comm.ops.layout.layout_reference``: permute and
 unpermute are bit-identical to the reference (for finite rows), ``make_layout`` is exactly equal.
 
 The extension is JIT-built on the first ``available()`` call with ``torch.utils.cpp_extension.load`` into
@@ -24,7 +24,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .reference import acc_dtype
+from moe_comm.kernels.reference import acc_dtype
 
 __all__ = ["available", "permute_rows", "unpermute_rows", "unpermute_weight_grad", "make_layout"]
 

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from .reference import acc_dtype
+from moe_comm.kernels.reference import acc_dtype
 
 try:  # optional dependency: the module must import without triton (available() -> False)
     import triton

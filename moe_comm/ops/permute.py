@@ -10,8 +10,8 @@ from typing import Optional
 
 import torch
 
-from ..kernels import select_backend
-from ..layout import Layout
+from moe_comm.kernels import select_backend
+from moe_comm.ops.layout import Layout
 
 __all__ = ["permute", "unpermute", "gather_rows"]
 

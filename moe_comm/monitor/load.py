@@ -1,0 +1,596 @@
+"""LoadMonitor: tokens per expert and per rank over steps, balance metrics, hot experts, plots.
+
+Shapes legend: E experts (global), W EP world size (rank r owns experts r*E/W .. (r+1)*E/W - 1),
+T tokens, S window slots (the last ``window`` observed steps, a ring buffer).
+
+``observe`` runs inside the forward on the device and never synchronises with the host: it only adds
+into device tensors (the ring of counts, running totals, an EMA, the router entropy and the hot-expert
+state machine). With ``group=...`` it sums the counts over the EP group with one asynchronous
+all_reduce, whose result is folded in at the next ``observe`` or read. Reading (``summary``,
+``hot_experts``, ``poll``, ``to_json``, ``plot``) copies the state to the host: that is the sync, and
+it is also when the ``on_hot_change`` callback and the log record fire (for every change since the last
+read, in step order, with the step each happened at; at most ``window`` steps back).
+
+Metrics (over the window, the EMA, or the last step):
+    balancedness        mean / max expert load (the figure vLLM logs); 1 = perfectly even
+    expert_max_over_mean, rank_max_over_mean   max / mean load per expert and per rank
+    cv                  coefficient of variation of the expert loads (population std / mean)
+    router_entropy      entropy (nats) of the mean router probability, when scores are given
+    drop_fraction       dropped / (routed + dropped) slots
+
+Placement: ``set_placement(plan)`` (called by ``MoELayer.apply_placement``) keeps counting LOGICAL experts
+and makes the per-rank views split a replicated expert's load evenly over the ranks of its replicas.
+
+Hot experts: an expert becomes hot after ``hot_persistence`` consecutive steps with load >
+``hot_threshold`` x the mean expert load of the step, and stops being hot after ``hot_persistence``
+consecutive steps at or below it (hysteresis: no flicker around the threshold).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["LoadMonitor", "HotExpert", "GlobalCounts", "reduce_counts"]
+
+_LOGGER = logging.getLogger(__name__)
+
+HotChangeCallback = Callable[[List[int], List[int], int], None]
+
+
+@dataclass(frozen=True)
+class HotExpert:
+    """A hot expert: global id, the EP rank that owns it, its EMA load / EMA mean load, and the step
+    at which it last became hot."""
+
+    expert: int
+    rank: int
+    load_over_mean: float
+    since_step: int
+
+
+class GlobalCounts:
+    """Tokens per expert summed over the EP group, possibly still in flight (an async all_reduce).
+
+    ``wait()`` -> [E] float64 device tensor of global counts (integers, exact below 2**53). It orders the
+    current stream after the collective (NCCL: no host block; gloo: the CPU waits for its worker thread)
+    and may be called any number of times. Returned by ``LoadMonitor.observe`` and ``reduce_counts``.
+    """
+
+    def __init__(self, counts_E: torch.Tensor, work=None):
+        self._counts_E, self._work = counts_E, work
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._counts_E
+
+
+def reduce_counts(counts_E: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> GlobalCounts:
+    """Start summing [E] integer counts over ``group`` (one async all_reduce; collective when the group
+    has more than one rank); no host sync. None or a 1-rank group: the counts themselves."""
+    buf_E = counts_E.detach().to(torch.float64)
+    if group is None or dist.get_world_size(group) == 1:
+        return GlobalCounts(buf_E)
+    buf_E = buf_E.clone() if buf_E is counts_E else buf_E
+    return GlobalCounts(buf_E, dist.all_reduce(buf_E, group=group, async_op=True))
+
+
+def _check_int(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"LoadMonitor: {name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def _finite_or_none(x: float) -> Optional[float]:
+    return float(x) if math.isfinite(x) else None
+
+
+def _runs(mask_ES: torch.Tensor) -> List[tuple]:
+    """(row, start, length) of every run of True along dim 1 of a bool [E, S] mask."""
+    out = []
+    for g, row in enumerate(mask_ES.tolist()):  # host sync: read side
+        start = None
+        for i, v in enumerate(row + [False]):
+            if v and start is None:
+                start = i
+            elif not v and start is not None:
+                out.append((g, start, i - start))
+                start = None
+    return out
+
+
+class LoadMonitor:
+    """Per-step expert load statistics, accumulated on the device without host syncs.
+
+    Args:
+        num_experts: E, global experts.
+        num_ranks: W, EP ranks the experts are spread over (rank r owns experts r*E/W ..); E % W == 0.
+        window: S, steps kept for the windowed view, the heatmap and the hot-change replay.
+        ema_decay: d in ema = d * ema + (1 - d) * load (the first step initialises the EMA).
+        hot_threshold: load / mean above which a step counts as hot (> 1).
+        hot_persistence: consecutive steps needed to become hot, and to stop being hot.
+        on_hot_change: ``fn(added, removed, step)``, sorted expert ids, called on the host when the
+            set of hot experts changes (delivered at the next read or ``poll``).
+        logger: receives one INFO record per hot-set change.
+        sync_every: None (default) = observe never syncs. An int n makes every n-th observe call
+            ``poll()`` (a host sync) so that callbacks fire without an explicit read.
+
+    Example:
+        mon = LoadMonitor(64, num_ranks=8)
+        mon.observe(counts_E)                 # in the forward: device tensors, no sync
+        mon.summary()["window"]["balancedness"], mon.hot_experts()   # host sync here
+    """
+
+    def __init__(self, num_experts: int, num_ranks: int = 1, window: int = 100, ema_decay: float = 0.9,
+                 hot_threshold: float = 2.0, hot_persistence: int = 5,
+                 on_hot_change: Optional[HotChangeCallback] = None,
+                 logger: logging.Logger = _LOGGER, *, sync_every: Optional[int] = None):
+        self.num_experts = _check_int("num_experts", num_experts, 1)
+        self.num_ranks = _check_int("num_ranks", num_ranks, 1)
+        if num_experts % num_ranks:
+            raise ValueError(f"LoadMonitor: num_experts ({num_experts}) must be divisible by num_ranks, "
+                             f"got {num_ranks}")
+        self.window = _check_int("window", window, 1)
+        if not (isinstance(ema_decay, (int, float)) and 0.0 <= ema_decay < 1.0):
+            raise ValueError(f"LoadMonitor: ema_decay must be in [0, 1), got {ema_decay!r}")
+        if not (isinstance(hot_threshold, (int, float)) and hot_threshold > 1.0):
+            raise ValueError(f"LoadMonitor: hot_threshold must be a number > 1 (x the mean load), got {hot_threshold!r}")
+        self.ema_decay = float(ema_decay)
+        self.hot_threshold = float(hot_threshold)
+        self.hot_persistence = _check_int("hot_persistence", hot_persistence, 1)
+        if on_hot_change is not None and not callable(on_hot_change):
+            raise TypeError(f"LoadMonitor: on_hot_change must be callable, got {type(on_hot_change).__name__}")
+        self.on_hot_change = on_hot_change
+        self.logger = logger
+        if sync_every is not None:
+            _check_int("sync_every", sync_every, 1)
+        self.sync_every = sync_every
+        self._rank_share_WE: Optional[torch.Tensor] = None  # set_placement: share of expert g's load on rank r
+        self._ranks_of: Optional[List[List[int]]] = None
+        self._phys_to_logical: Optional[List[int]] = None
+        self.reset()
+
+    def set_placement(self, placement=None) -> None:
+        """Make the per-rank views follow a placement of the experts (``MoELayer.apply_placement`` calls it).
+
+        Args:
+            placement: a ``moe_comm.placement.Placement`` (or its ``phys_to_logical``: [P] logical expert
+                of each physical slot, slot p on rank p // (P / W)); None restores the default (expert g on
+                rank g // (E / W)).
+        Counts stay per LOGICAL expert. Per-rank figures (tokens_per_rank, rank max/mean, the plot's bars,
+        a hot expert's ``rank``) then split a replicated expert's load evenly over its replicas (what the
+        layer's round-robin split does, to within a row) and apply to every step in the window, also
+        steps observed before the placement changed: "what the ranks carry under this placement".
+        A hot expert's ``rank`` is the rank of its first replica.
+        """
+        if placement is None:
+            self._rank_share_WE = self._ranks_of = self._phys_to_logical = None
+            return
+        p2l = getattr(placement, "phys_to_logical", placement)
+        p2l = [int(g) for g in (p2l.tolist() if isinstance(p2l, torch.Tensor) else p2l)]  # host sync: read side
+        E, W = self.num_experts, self.num_ranks
+        if len(p2l) % W or sorted(set(p2l)) != list(range(E)):
+            raise ValueError(f"LoadMonitor.set_placement: phys_to_logical must have a multiple of num_ranks={W} "
+                             f"entries covering every expert 0..{E - 1}, got {p2l}")
+        S = len(p2l) // W
+        count = [p2l.count(g) for g in range(E)]
+        share = torch.zeros(W, E, dtype=torch.float64)
+        ranks_of: List[List[int]] = [[] for _ in range(E)]
+        for p, g in enumerate(p2l):
+            share[p // S, g] += 1.0 / count[g]
+            ranks_of[g].append(p // S)
+        self._rank_share_WE, self._ranks_of, self._phys_to_logical = share, ranks_of, p2l
+
+    def _rank_load(self, load_XE: torch.Tensor) -> torch.Tensor:
+        """[..., E] host loads -> [..., W] per-rank loads under the current placement."""
+        if self._rank_share_WE is None:
+            return load_XE.reshape(load_XE.shape[:-1] + (self.num_ranks, -1)).sum(-1)
+        return load_XE.to(torch.float64) @ self._rank_share_WE.T
+
+    # ------------------------------------------------------------------------------------------ state
+    def reset(self) -> None:
+        """Forget everything observed (buffers are re-created on the next observe's device)."""
+        self._device: Optional[torch.device] = None
+        self._done = 0                 # steps folded into the device state
+        self._pending: List[tuple] = []  # (GlobalCounts, buf_X) of an all_reduce not folded in yet
+        self._polled = 0               # steps whose hot changes were delivered
+        self._known_hot: List[int] = []
+
+    @property
+    def steps(self) -> int:
+        """Steps observed so far (including one whose group reduction is still in flight)."""
+        return self._done + len(self._pending)
+
+    def _alloc(self, device: torch.device) -> None:
+        E, S = self.num_experts, self.window
+        i64 = dict(dtype=torch.int64, device=device)
+        f64 = dict(dtype=torch.float64, device=device)
+        self._device = device
+        self._counts_SE = torch.zeros(S, E, **i64)
+        self._dropped_S = torch.zeros(S, **i64)
+        self._entropy_S = torch.full((S,), float("nan"), **f64)
+        self._hot_SE = torch.zeros(S, E, dtype=torch.bool, device=device)
+        self._total_E = torch.zeros(E, **i64)
+        self._total_dropped = torch.zeros((), **i64)
+        self._ema_E = torch.zeros(E, **f64)
+        self._hot_streak_E = torch.zeros(E, **i64)
+        self._cool_streak_E = torch.zeros(E, **i64)
+        self._hot_E = torch.zeros(E, dtype=torch.bool, device=device)
+        self._hot_since_E = torch.zeros(E, **i64)
+
+    # ---------------------------------------------------------------------------------------- observe
+    @torch.no_grad()
+    def observe(self, tokens_per_expert_E: torch.Tensor, dropped: Union[torch.Tensor, int] = 0,
+                scores_TE: Optional[torch.Tensor] = None, *,
+                group: Optional[dist.ProcessGroup] = None) -> GlobalCounts:
+        """Record one step. No host sync (unless ``sync_every`` asks for one).
+
+        Args:
+            tokens_per_expert_E: [E] integer tensor, routed slots per global expert on this rank (or
+                already summed over the EP group). ``workloads.count_tokens`` computes it sync-free.
+            dropped: [] integer tensor or int, slots dropped by capacity (topk_idx == -1).
+            scores_TE: optional [T, E] router probabilities (softmax or sigmoid; normalised per token
+                here) for the router entropy; detached.
+            group: EP process group. Given (and of size > 1), the counts, dropped slots and score sums
+                are summed over it with ONE asynchronous all_reduce: a collective, so every rank of
+                the group must call observe with a group, in the same order. num_ranks must equal the
+                group size.
+        Returns: GlobalCounts of this step (the group-summed counts once ``wait()`` ed), so a caller
+            that also needs the global load (aux-loss-free balancing) reuses this step's collective.
+        """
+        if not isinstance(tokens_per_expert_E, torch.Tensor):
+            raise TypeError(f"tokens_per_expert_E must be a torch.Tensor, got {type(tokens_per_expert_E).__name__}")
+        E = self.num_experts
+        if tokens_per_expert_E.shape != (E,):
+            raise ValueError(f"tokens_per_expert_E must have shape [{E}], got {tuple(tokens_per_expert_E.shape)}")
+        if tokens_per_expert_E.dtype.is_floating_point or tokens_per_expert_E.dtype.is_complex:
+            raise TypeError(f"tokens_per_expert_E must be an integer tensor, got {tokens_per_expert_E.dtype}")
+        device = tokens_per_expert_E.device
+        if self._device is None:
+            with torch.inference_mode(False):  # state made in an eval step must stay writable in training
+                self._alloc(device)
+        elif device != self._device:
+            raise ValueError(f"tokens_per_expert_E is on {device}, but the monitor's state is on {self._device}")
+        if isinstance(dropped, torch.Tensor):
+            if dropped.numel() != 1 or dropped.dtype.is_floating_point:
+                raise ValueError(f"dropped must be an int or a one-element integer tensor, got shape "
+                                 f"{tuple(dropped.shape)} {dropped.dtype}")
+            dropped_t = dropped.detach().reshape(()).to(device=device, dtype=torch.int64)
+        elif isinstance(dropped, int) and not isinstance(dropped, bool) and dropped >= 0:
+            dropped_t = torch.full((), dropped, dtype=torch.int64, device=device)  # a fill, not a host copy
+        else:
+            raise ValueError(f"dropped must be an int >= 0 or a tensor, got {dropped!r}")
+        counts_E = tokens_per_expert_E.detach().to(torch.int64)
+        if scores_TE is not None:
+            if scores_TE.dim() != 2 or scores_TE.shape[1] != E:
+                raise ValueError(f"scores_TE must have shape [T, {E}], got {tuple(scores_TE.shape)}")
+            p_TE = scores_TE.detach().to(device=device, dtype=torch.float64)
+            p_TE = p_TE / p_TE.sum(-1, keepdim=True).clamp_min(1e-300)  # sigmoid scores: per-token distribution
+            probsum_E, ntok = p_TE.sum(0), float(scores_TE.shape[0])
+        else:
+            probsum_E, ntok = torch.zeros(E, dtype=torch.float64, device=device), 0.0
+
+        W = 1 if group is None else dist.get_world_size(group)
+        if W > 1:
+            if W != self.num_ranks:
+                raise ValueError(f"group has {W} ranks but the monitor was built with num_ranks={self.num_ranks}")
+            self._flush()
+            # One buffer, one collective: counts [E], dropped, probability sums [E], token count.
+            # float64 is exact for counts below 2**53.
+            buf_X = torch.cat([counts_E.to(torch.float64), dropped_t.to(torch.float64).reshape(1), probsum_E,
+                               torch.full((1,), ntok, dtype=torch.float64, device=device)])
+            handle = GlobalCounts(buf_X[:E], dist.all_reduce(buf_X, group=group, async_op=True))
+            self._pending.append((handle, buf_X))
+        else:
+            self._flush()
+            self._fold(counts_E, dropped_t, probsum_E, torch.full((), ntok, dtype=torch.float64, device=device))
+            handle = GlobalCounts(counts_E.to(torch.float64))
+        if self.sync_every is not None and self.steps % self.sync_every == 0:
+            self.poll()  # host sync: opted in with sync_every
+        return handle
+
+    def _flush(self) -> None:
+        """Fold in a finished group reduction. ``wait`` orders the current stream after the collective
+        (NCCL: no host block; gloo: the CPU waits for its worker thread)."""
+        E = self.num_experts
+        while self._pending:
+            handle, buf_X = self._pending.pop(0)
+            handle.wait()
+            self._fold(buf_X[:E].round().to(torch.int64), buf_X[E].round().to(torch.int64),
+                       buf_X[E + 1:2 * E + 1], buf_X[2 * E + 1])
+
+    def _fold(self, counts_E: torch.Tensor, dropped: torch.Tensor, probsum_E: torch.Tensor,
+              ntok: torch.Tensor) -> None:
+        """Device-side update of every statistic with one step (all device ops, no sync)."""
+        step, s = self._done, self._done % self.window
+        self._counts_SE[s] = counts_E
+        self._dropped_S[s] = dropped
+        self._total_E += counts_E
+        self._total_dropped += dropped
+        load_E = counts_E.to(torch.float64)
+        if step == 0:
+            self._ema_E.copy_(load_E)
+        else:
+            self._ema_E.mul_(self.ema_decay).add_(load_E, alpha=1.0 - self.ema_decay)
+        mass = probsum_E.sum()
+        p_E = probsum_E / mass.clamp_min(1e-300)
+        entropy = -torch.special.xlogy(p_E, p_E).sum()
+        self._entropy_S[s] = torch.where((ntok > 0) & (mass > 0), entropy, torch.full_like(entropy, float("nan")))
+        above_E = load_E > self.hot_threshold * load_E.mean()
+        self._hot_streak_E.add_(1).mul_(above_E)
+        self._cool_streak_E.add_(1).mul_(~above_E)
+        new_hot_E = (self._hot_E | (self._hot_streak_E >= self.hot_persistence)) & \
+            (self._cool_streak_E < self.hot_persistence)
+        self._hot_since_E = torch.where(new_hot_E & ~self._hot_E, torch.full_like(self._hot_since_E, step),
+                                        self._hot_since_E)
+        self._hot_E = new_hot_E
+        self._hot_SE[s] = new_hot_E
+        self._done += 1
+
+    # ------------------------------------------------------------------------------------------- read
+    def _host(self) -> Dict[str, torch.Tensor]:
+        """Fold pending reductions and copy the state to the host, window rows in step order."""
+        self._flush()
+        n = min(self._done, self.window)
+        order = [(self._done - n + i) % self.window for i in range(n)]
+        if self._device is None:
+            E = self.num_experts
+            z = torch.zeros(0, E, dtype=torch.int64)
+            return dict(counts_SE=z, dropped_S=torch.zeros(0, dtype=torch.int64), entropy_S=torch.zeros(0),
+                        hot_SE=z.bool(), total_E=torch.zeros(E, dtype=torch.int64), total_dropped=torch.tensor(0),
+                        ema_E=torch.zeros(E, dtype=torch.float64), hot_E=torch.zeros(E, dtype=torch.bool),
+                        hot_since_E=torch.zeros(E, dtype=torch.int64))
+        idx = torch.tensor(order, dtype=torch.int64, device=self._device)
+        state = dict(counts_SE=self._counts_SE[idx], dropped_S=self._dropped_S[idx], entropy_S=self._entropy_S[idx],
+                     hot_SE=self._hot_SE[idx], total_E=self._total_E, total_dropped=self._total_dropped,
+                     ema_E=self._ema_E, hot_E=self._hot_E, hot_since_E=self._hot_since_E)
+        return {k: v.cpu() for k, v in state.items()}  # host sync: reading the statistics
+
+    def _deliver(self, st: Dict[str, torch.Tensor]) -> None:
+        """Replay hot-set changes of the steps not yet delivered, in order (from the window)."""
+        first = self._done - st["hot_SE"].shape[0]  # step of window row 0
+        for step in range(max(self._polled, first), self._done):
+            now = st["hot_SE"][step - first].nonzero().flatten().tolist()  # host sync: read side
+            if now != self._known_hot:
+                added = sorted(set(now) - set(self._known_hot))
+                removed = sorted(set(self._known_hot) - set(now))
+                self._known_hot = now
+                fmt = lambda ids: ", ".join(f"{g} (rank {self.rank_of(g)})" for g in ids) or "none"  # noqa: E731
+                self.logger.info("moe_comm hot experts changed at step %d: added [%s], removed [%s]; hot now [%s]",
+                                 step, fmt(added), fmt(removed), fmt(now))
+                if self.on_hot_change is not None:
+                    self.on_hot_change(added, removed, step)
+        self._polled = self._done
+
+    def poll(self) -> List[HotExpert]:
+        """Host sync: fire pending hot-change callbacks / log records; returns ``hot_experts()``."""
+        st = self._host()
+        self._deliver(st)
+        return self._hot_list(st)
+
+    def _hot_list(self, st: Dict[str, torch.Tensor]) -> List[HotExpert]:
+        ema_E = st["ema_E"]
+        mean = float(ema_E.mean())
+        return [HotExpert(expert=g, rank=self.rank_of(g),
+                          load_over_mean=float(ema_E[g]) / mean if mean > 0 else float("nan"),
+                          since_step=int(st["hot_since_E"][g]))
+                for g in st["hot_E"].nonzero().flatten().tolist()]  # host sync: read side
+
+    def hot_experts(self) -> List[HotExpert]:
+        """Host sync: the experts hot now, by id, each with its rank (also delivers pending changes)."""
+        return self.poll()
+
+    def rank_of(self, expert: int) -> int:
+        """EP rank owning global expert ``expert`` (expert // (E / W); after ``set_placement``, the rank of
+        its first replica)."""
+        if self._ranks_of is not None:
+            return self._ranks_of[expert][0]
+        return expert // (self.num_experts // self.num_ranks)
+
+    def ranks_of(self, expert: int) -> List[int]:
+        """Every EP rank holding a replica of ``expert`` (one rank without a placement)."""
+        return [self.rank_of(expert)] if self._ranks_of is None else list(self._ranks_of[expert])
+
+    def load_history(self) -> torch.Tensor:
+        """Host sync. [S, E] int64 tokens per expert of the window's steps, oldest first: the input of
+        ``moe_comm.placement.plan_placement`` (identical on every rank when observed with a group)."""
+        return self._host()["counts_SE"]
+
+    def _view(self, load_E: torch.Tensor, dropped: Optional[float] = None) -> Dict[str, object]:
+        load_E = load_E.to(torch.float64)
+        rank_W = self._rank_load(load_E)
+        mean, mx = float(load_E.mean()), float(load_E.max())
+        rmean, rmx = float(rank_W.mean()), float(rank_W.max())
+        ratio = lambda a, b: a / b if b > 0 else None  # noqa: E731
+        view = {
+            "tokens_per_expert": load_E.tolist(),  # host sync: read side
+            "tokens_per_rank": rank_W.tolist(),  # host sync: read side
+            "balancedness": ratio(mean, mx),
+            "expert_max_over_mean": ratio(mx, mean),
+            "rank_max_over_mean": ratio(rmx, rmean),
+            "rank_balancedness": ratio(rmean, rmx),
+            "cv": ratio(float(load_E.std(unbiased=False)), mean),
+        }
+        if dropped is not None:
+            routed = float(load_E.sum())
+            view["routed"] = routed
+            view["dropped"] = dropped
+            view["drop_fraction"] = ratio(dropped, routed + dropped)
+        return view
+
+    def summary(self) -> Dict[str, object]:
+        """Host sync. A JSON-ready dict:
+
+        ``steps``, ``window_steps``, ``num_experts``, ``num_ranks``, ``config`` (window, ema_decay,
+        hot_threshold, hot_persistence); views ``window`` (summed over the last window_steps steps, plus
+        ``step_balancedness`` / ``step_rank_max_over_mean``: per-step values averaged), ``ema`` and
+        ``last``, each with tokens_per_expert [E], tokens_per_rank [W], balancedness,
+        expert_max_over_mean, rank_max_over_mean, rank_balancedness, cv (window/last also routed,
+        dropped, drop_fraction); ``total`` (since the start: tokens_per_expert, routed, dropped,
+        drop_fraction); ``router_entropy`` (last, window_mean, max = ln E; None without scores);
+        ``hot_experts`` (list of {expert, rank, load_over_mean, since_step}); ``placement`` (phys_to_logical)
+        only after ``set_placement``. Ratios are None when undefined (no load).
+        """
+        st = self._host()
+        self._deliver(st)
+        n = st["counts_SE"].shape[0]
+        out: Dict[str, object] = {
+            "num_experts": self.num_experts, "num_ranks": self.num_ranks, "steps": self._done, "window_steps": n,
+            "config": {"window": self.window, "ema_decay": self.ema_decay, "hot_threshold": self.hot_threshold,
+                       "hot_persistence": self.hot_persistence},
+        }
+        if n:
+            win = self._view(st["counts_SE"].sum(0), float(st["dropped_S"].sum()))
+            steps = [self._view(c) for c in st["counts_SE"]]
+            per_step = lambda key: [v[key] for v in steps if v[key] is not None]  # noqa: E731
+            mean_or_none = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+            win["step_balancedness"] = mean_or_none(per_step("balancedness"))
+            win["step_rank_max_over_mean"] = mean_or_none(per_step("rank_max_over_mean"))
+            out["window"] = win
+            out["ema"] = self._view(st["ema_E"])
+            out["last"] = self._view(st["counts_SE"][-1], float(st["dropped_S"][-1]))
+        else:
+            out["window"] = out["ema"] = out["last"] = None
+        routed, dropped = int(st["total_E"].sum()), int(st["total_dropped"])
+        out["total"] = {"tokens_per_expert": st["total_E"].tolist(), "routed": routed, "dropped": dropped,  # host sync: read side
+                        "drop_fraction": dropped / (routed + dropped) if routed + dropped else None}
+        ent = st["entropy_S"]
+        seen = ent[~ent.isnan()]
+        out["router_entropy"] = {"last": _finite_or_none(float(ent[-1])) if n else None,
+                                 "window_mean": float(seen.mean()) if seen.numel() else None,
+                                 "max": math.log(self.num_experts)}
+        out["hot_experts"] = [asdict(h) for h in self._hot_list(st)]
+        if self._phys_to_logical is not None:
+            out["placement"] = list(self._phys_to_logical)
+        return out
+
+    def history(self) -> Dict[str, object]:
+        """Host sync. The window step by step: steps [S], tokens_per_expert [S][E], dropped [S],
+        router_entropy [S] (None without scores), hot [S] lists of hot expert ids."""
+        st = self._host()
+        n = st["counts_SE"].shape[0]
+        return {"steps": list(range(self._done - n, self._done)),
+                "tokens_per_expert": st["counts_SE"].tolist(), "dropped": st["dropped_S"].tolist(),  # host sync: read side
+                "router_entropy": [_finite_or_none(x) for x in st["entropy_S"].tolist()],  # host sync: read side
+                "hot": [row.nonzero().flatten().tolist() for row in st["hot_SE"]]}  # host sync: read side
+
+    def to_json(self, path: Union[str, os.PathLike], history: bool = True) -> str:
+        """Host sync. Write ``summary()`` (plus ``history()`` under "history" when asked) to ``path``."""
+        data = self.summary()
+        if history:
+            data["history"] = self.history()
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+        return os.fspath(path)
+
+    # ------------------------------------------------------------------------------------------- plot
+    def plot(self, path: Union[str, os.PathLike], title: Optional[str] = None, dpi: int = 120) -> str:
+        """Host sync. Save a PNG (any format matplotlib infers from ``path``) with three panels:
+
+        - heatmap experts x steps of load / mean load of the step (diverging colormap, white = 1 = even,
+          red = hotter, blue = colder), rank boundaries as lines, hot periods outlined in black and the
+          experts hot now marked with a triangle on the right;
+        - rank max/mean per step under it, on the same step axis (the all-to-all straggler factor);
+        - tokens per rank (mean per step over the window) as bars, whiskers from the least to the most
+          loaded step, the mean as a dashed line (a drifting hot spot can average out over the window
+          while every single step has a straggler: the whiskers and the middle panel show it).
+        Needs matplotlib (``pip install moe_comm[plot]``).
+        """
+        try:
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.colors import TwoSlopeNorm
+            from matplotlib.figure import Figure
+            from matplotlib.patches import Rectangle
+            import matplotlib as mpl
+        except ImportError as exc:
+            raise ImportError("LoadMonitor.plot needs matplotlib: pip install moe_comm[plot] "
+                              "(or pip install matplotlib)") from exc
+        st = self._host()
+        self._deliver(st)
+        n = st["counts_SE"].shape[0]
+        if n == 0:
+            raise RuntimeError("LoadMonitor.plot: nothing observed yet")
+        E, W = self.num_experts, self.num_ranks
+        e = E // W
+        first, last = self._done - n, self._done - 1
+        counts_SE = st["counts_SE"].to(torch.float64)
+        step_mean_S = counts_SE.mean(1, keepdim=True)
+        rel_ES = (counts_SE / step_mean_S.where(step_mean_S > 0, torch.tensor(float("nan")))).T.numpy()
+        hot_now = st["hot_E"].nonzero().flatten().tolist()  # host sync: read side
+        rank_SW = self._rank_load(counts_SE)
+        rank_mom_S = (rank_SW.max(1).values / rank_SW.mean(1)).numpy()
+        rank_W = (rank_SW.sum(0) / n).numpy()
+
+        fig = Figure(figsize=(12, 9), layout="constrained")
+        FigureCanvasAgg(fig)
+        gs = fig.add_gridspec(3, 2, height_ratios=[3.2, 1.0, 1.6], width_ratios=[40, 1])
+        ax_h = fig.add_subplot(gs[0, 0])
+        ax_s = fig.add_subplot(gs[1, 0], sharex=ax_h)
+        ax_b = fig.add_subplot(gs[2, 0])
+        cax = fig.add_subplot(gs[0, 1])
+
+        finite = rel_ES[~(rel_ES != rel_ES)]  # drop NaN (steps with no tokens)
+        vmax = max(2.0, self.hot_threshold * 1.25, float(finite.max()) if finite.size else 2.0)
+        norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=vmax)
+        cmap = mpl.colormaps["RdBu_r"].with_extremes(bad="0.8")  # grey: a step with no tokens
+        extent = (first - 0.5, last + 0.5, E - 0.5, -0.5)
+        im = ax_h.imshow(rel_ES, aspect="auto", cmap=cmap, norm=norm, extent=extent, interpolation="nearest")
+        cb = fig.colorbar(im, cax=cax)
+        cb.set_label("load / mean expert load of the step")
+        cb.ax.axhline(self.hot_threshold, color="k", lw=1.5)
+        for g, run_start, run_len in _runs(st["hot_SE"].T):  # outline each hot period of each expert
+            ax_h.add_patch(Rectangle((first + run_start - 0.5, g - 0.5), run_len, 1.0, fill=False, ec="k", lw=1.3))
+        for r in range(1, W if self._ranks_of is None else 1):  # a placement scatters experts: no bands
+            ax_h.axhline(r * e - 0.5, color="0.3", lw=0.8, ls=":")
+        if W > 1 and self._ranks_of is None:
+            sec = ax_h.secondary_yaxis("right")
+            sec.set_yticks([r * e + (e - 1) / 2 for r in range(W)], labels=[f"rank {r}" for r in range(W)])
+            sec.tick_params(length=0, pad=14)  # room for the hot-now markers
+        for g in hot_now:
+            ax_h.plot([last + 0.5], [g], marker="<", color="k", ms=8, clip_on=False)
+        ax_h.set_ylabel("expert")
+        ax_h.set_title(f"Load per expert and step (hot: > {self.hot_threshold:g}x mean for "
+                       f"{self.hot_persistence} steps, outlined; \u25c0 hot now)")
+        ax_h.tick_params(labelbottom=False)
+        if E <= 32:
+            ax_h.set_yticks(range(E))
+
+        ax_s.plot(range(first, last + 1), rank_mom_S, color="C3", lw=1.2, drawstyle="steps-mid")
+        ax_s.axhline(1.0, color="0.5", lw=0.8, ls="--")
+        ax_s.set_ylabel("rank max/mean")
+        ax_s.set_xlabel("step")
+        ax_s.set_ylim(bottom=min(0.95, float(rank_mom_S.min()) if rank_mom_S.size else 0.95))
+        ax_s.set_title("Straggler factor per step: max / mean tokens per rank", fontsize="medium")
+
+        mean_rank = float(rank_W.mean())
+        rel_W = rank_W / mean_rank if mean_rank > 0 else rank_W * 0 + 1
+        lo_W, hi_W = rank_SW.min(0).values.numpy(), rank_SW.max(0).values.numpy()
+        bars = ax_b.bar(range(W), rank_W, color=[cmap(norm(v)) for v in rel_W], edgecolor="0.2",
+                        yerr=[rank_W - lo_W, hi_W - rank_W], ecolor="0.35", capsize=4)
+        ax_b.bar_label(bars, labels=[f"{v:.2f}x" for v in rel_W], label_type="center", fontsize="small")
+        ax_b.axhline(mean_rank, color="k", ls="--", lw=1.2)
+        ax_b.set_xticks(range(W), labels=[str(r) for r in range(W)])
+        ax_b.set_xlabel("EP rank")
+        ax_b.set_ylabel("tokens per step")
+        ax_b.set_ylim(top=float(hi_W.max()) * 1.08 if hi_W.max() > 0 else 1.0)
+        mom = float(rank_W.max()) / mean_rank if mean_rank > 0 else float("nan")
+        ax_b.set_title(f"Tokens per rank, mean over steps {first}-{last} (max/mean {mom:.2f}); "
+                       f"whiskers: min-max of a step; dashed: mean {mean_rank:.1f}", fontsize="medium")
+
+        load_E = counts_SE.sum(0)
+        bal = float(load_E.mean() / load_E.max()) if load_E.max() > 0 else float("nan")
+        hot_txt = ", ".join(f"{g} (r{self.rank_of(g)})" for g in hot_now[:8]) + (" ..." if len(hot_now) > 8 else "")
+        placed = "" if self._phys_to_logical is None else \
+            f" (placed: {len(self._phys_to_logical)} slots, rank views use this placement for every step)"
+        fig.suptitle(title or f"LoadMonitor: {E} experts on {W} ranks{placed}, steps {first}-{last} | balancedness "
+                     f"{bal:.2f} | hot now: {hot_txt or 'none'}", fontsize="large")
+        fig.savefig(path, dpi=dpi)
+        return os.fspath(path)

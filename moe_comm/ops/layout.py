@@ -1,0 +1,156 @@
+"""make_layout: where every routed (token, slot) goes, as counts and a permutation map.
+
+Shapes legend: T tokens, K top-k slots, S = T*K slots, N routed rows (S minus dropped),
+E experts (global), W EP ranks, e = E / W local experts, C chunks.
+
+Permuted row order is (chunk, destination rank, local expert), stable in slot order
+(slot s = t*K + k). Global expert g lives on rank g // e as local expert g % e, so sorting by
+(chunk, g) is exactly that order. Token t belongs to chunk min(C - 1, (2t(C - 1) + T) // 2T): contiguous
+token ranges, independent of the routing, with the first and last chunk half as long as the others
+(C >= 3). The pipeline cannot hide the first dispatch nor the last combine; halving those chunks
+halves that fill/drain time (benchmarks/overlap.py, 1 Gbit/s link, 2 ranks, C = 4: step 1.22x -> 1.12x
+of max(T_compute, T_comm) against equal chunks).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+__all__ = ["Layout", "make_layout", "layout_reference", "chunk_of_tokens"]
+
+
+@dataclass
+class Layout:
+    """The permutation map and counts of one routing decision.
+
+    Attributes:
+        num_tokens, top_k, num_experts, num_ranks, num_chunks: T, K, E, W, C.
+        dest_row_TK: [T, K] int64, permuted row of slot (t, k); -1 = dropped.
+        src_slot_S: [T*K] int64, slot index t*K+k of permuted row n; the N routed rows come first,
+            then the dropped slots (ascending), which no kernel reads.
+        token_S: [T*K] int64, ``src_slot_S // K``: the token of each permuted row.
+        counts_CWe: [C, W, e] int64 rows per (chunk, destination rank, local expert).
+        num_invalid: [] int64 count of topk_idx values outside [-1, E) (treated as dropped); the
+            Dispatcher folds it into the counts exchange so every rank raises together.
+    """
+
+    num_tokens: int
+    top_k: int
+    num_experts: int
+    num_ranks: int
+    num_chunks: int
+    dest_row_TK: torch.Tensor
+    src_slot_S: torch.Tensor
+    token_S: torch.Tensor
+    counts_CWe: torch.Tensor
+    num_invalid: torch.Tensor
+    _num_rows: Optional[int] = field(default=None, repr=False)
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    @property
+    def tokens_per_expert_E(self) -> torch.Tensor:
+        """[E] int64 routed rows per global expert (device tensor, no sync)."""
+        return self.counts_CWe.sum(0).reshape(-1)
+
+    @property
+    def num_rows(self) -> int:
+        """N, the routed rows. Known without a sync once the Dispatcher's counts exchange ran."""
+        if self._num_rows is None:
+            self._num_rows = int(self.counts_CWe.sum().item())  # host sync: N sizes the permuted buffer
+        return self._num_rows
+
+    def set_num_rows(self, n: int) -> None:
+        """Record N from host counts the caller already has (saves the sync in ``num_rows``)."""
+        self._num_rows = int(n)
+
+    @property
+    def token_N(self) -> torch.Tensor:
+        """[N] int64 token index of each routed row."""
+        return self.token_S[: self.num_rows]
+
+    @property
+    def src_slot_N(self) -> torch.Tensor:
+        """[N] int64 slot index of each routed row."""
+        return self.src_slot_S[: self.num_rows]
+
+
+def _check_topk_idx(topk_idx_TK: torch.Tensor) -> torch.Tensor:
+    if not isinstance(topk_idx_TK, torch.Tensor):
+        raise TypeError(f"topk_idx_TK must be a torch.Tensor, got {type(topk_idx_TK).__name__}")
+    if topk_idx_TK.dim() != 2:
+        raise ValueError(f"topk_idx_TK must be 2-D [T, K], got shape {tuple(topk_idx_TK.shape)}")
+    if topk_idx_TK.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise TypeError(f"topk_idx_TK must be an integer tensor (int64 preferred), got {topk_idx_TK.dtype}")
+    return topk_idx_TK.to(torch.int64).contiguous()
+
+
+def chunk_of_tokens(num_tokens: int, num_chunks: int, device=None) -> torch.Tensor:
+    """[T] int64 chunk of every token: min(C - 1, (2t(C - 1) + T) // 2T).
+
+    Example: T = 8, C = 3 -> [0, 0, 1, 1, 1, 1, 2, 2] (sizes 2, 4, 2); C = 2 -> halves; C = 1 -> all 0.
+    """
+    T, C = num_tokens, num_chunks
+    t = torch.arange(T, device=device, dtype=torch.int64)
+    return torch.clamp((2 * t * (C - 1) + T) // (2 * max(T, 1)), max=C - 1)
+
+
+def layout_reference(topk_idx_TK: torch.Tensor, num_experts: int, num_chunks: int = 1):
+    """Pure-torch layout: (dest_row_TK, src_slot_S, counts_CE, num_invalid).
+
+    Example (E=2, C=1): topk_idx_TK = [[1, 0], [0, -1]]
+        slots 0..3 have keys [1, 0, 0, drop] -> src_slot_S = [1, 2, 0, 3]
+        dest_row_TK = [[2, 0], [1, -1]], counts_CE = [[2, 1]]
+    """
+    T, K = topk_idx_TK.shape
+    E, C = num_experts, num_chunks
+    dev = topk_idx_TK.device
+    flat_S = topk_idx_TK.reshape(-1)
+    valid_S = (flat_S >= 0) & (flat_S < E)
+    num_invalid = ((flat_S < -1) | (flat_S >= E)).sum()
+    chunk_T = chunk_of_tokens(T, C, dev)
+    chunk_S = chunk_T.repeat_interleave(K)
+    key_S = torch.where(valid_S, chunk_S * E + flat_S, torch.full_like(flat_S, C * E))
+    src_slot_S = torch.sort(key_S, stable=True).indices
+    counts_CE = torch.bincount(key_S, minlength=C * E + 1)[: C * E].reshape(C, E)
+    dest_S = torch.empty_like(flat_S)
+    dest_S[src_slot_S] = torch.arange(T * K, device=dev, dtype=torch.int64)
+    dest_S = torch.where(valid_S, dest_S, torch.full_like(dest_S, -1))
+    return dest_S.reshape(T, K), src_slot_S, counts_CE, num_invalid
+
+
+def make_layout(topk_idx_TK: torch.Tensor, num_experts: int, *, num_ranks: int = 1, num_chunks: int = 1,
+                backend: str = "auto") -> Layout:
+    """Counts and permutation map for ``topk_idx_TK``; no host sync.
+
+    Args:
+        topk_idx_TK: [T, K] integer (int64 preferred) global expert ids; -1 means dropped.
+            Values outside [-1, E) are counted in ``Layout.num_invalid`` and treated as dropped.
+        num_experts: E, global experts; must divide by ``num_ranks``.
+        num_ranks: W, EP ranks the experts are spread over (expert g on rank g // (E/W)).
+        num_chunks: C, pipeline chunks (``chunk_of_tokens``: contiguous, first and last half-size).
+        backend: "auto" | "native" | "torch" ("triton" uses the torch layout: the sort is not
+            the bottleneck on GPU).
+    Example:
+        make_layout([[1, 0], [0, -1]], num_experts=2)
+        -> dest_row_TK [[2, 0], [1, -1]], counts_CWe [[[2, 1]]], 3 routed rows
+    """
+    topk_idx_TK = _check_topk_idx(topk_idx_TK)
+    for name, v, lo in (("num_experts", num_experts, 1), ("num_ranks", num_ranks, 1), ("num_chunks", num_chunks, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    if num_experts % num_ranks:
+        raise ValueError(f"num_experts ({num_experts}) must be divisible by num_ranks, got num_ranks={num_ranks}")
+    from moe_comm.kernels import select_backend
+    impl = select_backend(backend, topk_idx_TK.device)
+    layout_fn = getattr(impl, "make_layout", None) or layout_reference
+    dest_row_TK, src_slot_S, counts_CE, num_invalid = layout_fn(topk_idx_TK, num_experts, num_chunks)
+    T, K = topk_idx_TK.shape
+    return Layout(num_tokens=T, top_k=K, num_experts=num_experts, num_ranks=num_ranks, num_chunks=num_chunks,
+                  dest_row_TK=dest_row_TK, src_slot_S=src_slot_S, token_S=src_slot_S // K if K else src_slot_S,
+                  counts_CWe=counts_CE.reshape(num_chunks, num_ranks, num_experts // num_ranks),
+                  num_invalid=num_invalid)

@@ -1,0 +1,265 @@
+"""Applying a rebalance plan to a layer: physical expert slots, weight and optimizer-state moves,
+routing over replicas, replica gradient sums.
+
+Shapes legend: T tokens, K top-k, E logical experts, R redundant replicas, P = E + R physical slots,
+W EP world size, S = P / W slots per rank (physical slot p lives on rank p // S as local slot p % S),
+C the most replicas any expert has, F FFN size, H hidden size, X bytes of one packed slot row.
+
+A ``Placement`` (``moe_comm.placement``) says which logical expert every physical slot holds. This
+module turns it into what a layer needs:
+
+- (``moe_comm.modules.experts.PlacedExperts`` holds this rank's S slots, keyed by LOGICAL id.)
+- ``transfer_plan`` / ``move_slots``: where each new slot's weights come from (a local slot when this
+  rank already holds that expert, else one holder chosen round-robin) and one all-to-all of packed byte
+  rows that moves every per-slot tensor (weights and optimizer state, any dtypes) at once.
+- ``physical_topk``: logical top-K ids -> physical slots, device-only (no host sync). The slots a rank
+  routes to a replicated expert g go round-robin over g's replicas in token order, starting at replica
+  ``rank % C_g``: every replica gets the same share of every rank's tokens to within one row.
+- ``sync_replica_grads``: one all_reduce that sums the gradients of every replicated expert over the
+  ranks holding its replicas (replicas then stay bit-identical under any optimizer).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe_comm.comm.collectives import all_to_all_v, group_rank, group_size
+from moe_comm.placement.planner import Placement
+
+__all__ = ["check_placement", "transfer_plan", "move_slots", "replica_tables", "physical_topk",
+           "sync_replica_grads", "optimizer_slot_state"]
+
+
+def check_placement(placement, num_experts: int, num_ranks: int) -> List[int]:
+    """Validate a Placement for a layer of E experts on W ranks; returns phys_to_logical as a host list.
+
+    Raises TypeError (not a Placement) or ValueError naming the field (got vs expected)."""
+    if not isinstance(placement, Placement):
+        raise TypeError(f"placement must be a moe_comm.placement.Placement (from plan_placement), "
+                        f"got {type(placement).__name__}")
+    if placement.num_experts != num_experts:
+        raise ValueError(f"placement.num_experts must equal the layer's num_experts ({num_experts}), "
+                         f"got {placement.num_experts}")
+    if placement.num_ranks != num_ranks:
+        raise ValueError(f"placement.num_ranks must equal the EP world size ({num_ranks}), got {placement.num_ranks}")
+    p2l = [int(g) for g in placement.phys_to_logical.tolist()]  # host sync: none, a CPU tensor
+    P = len(p2l)
+    if P % num_ranks:
+        raise ValueError(f"placement.phys_to_logical length ({P}) must be divisible by the EP world size ({num_ranks})")
+    if P < num_experts or sorted(set(p2l)) != list(range(num_experts)):
+        raise ValueError(f"placement.phys_to_logical must hold every logical expert 0..{num_experts - 1} at "
+                         f"least once, got {p2l}")
+    return p2l
+
+
+def transfer_plan(src_p2l: Sequence[int], dst_p2l: Sequence[int], num_ranks: int) -> List[Tuple[int, int, int, int]]:
+    """Where each destination slot's data comes from: a list over destination slots q of
+    ``(dst_rank, dst_local, src_rank, src_local)``. Pure logic, identical on every rank.
+
+    A destination rank that already holds the logical expert copies it locally; otherwise the source is
+    one of the expert's current holders, chosen round-robin by q (spreads the sending).
+    Example: src [0, 1 | 2, 3], dst [0, 3 | 1, 2] (W=2): slot 1 (rank 0) <- rank 1 local 1;
+        slot 2 (rank 1) <- rank 0 local 1; slots 0 and 3 are local copies.
+    """
+    S_src, S_dst = len(src_p2l) // num_ranks, len(dst_p2l) // num_ranks
+    holders: Dict[int, List[Tuple[int, int]]] = {}
+    for p, g in enumerate(src_p2l):
+        holders.setdefault(int(g), []).append((p // S_src, p % S_src))
+    out = []
+    for q, g in enumerate(dst_p2l):
+        d = q // S_dst
+        mine = [h for h in holders[int(g)] if h[0] == d]
+        src = mine[0] if mine else holders[int(g)][q % len(holders[int(g)])]
+        out.append((d, q % S_dst, src[0], src[1]))
+    return out
+
+
+def _pack(tensors: Sequence[torch.Tensor], idx: List[int]) -> torch.Tensor:
+    """Rows ``idx`` (dim 0) of every tensor as one uint8 [n, X] block (byte concatenation per row)."""
+    n = len(idx)
+    index = torch.tensor(idx, dtype=torch.int64, device=tensors[0].device)
+    parts = [t.index_select(0, index).reshape(n, -1).contiguous().view(torch.uint8) for t in tensors]
+    return torch.cat(parts, dim=1)
+
+
+def _unpack(rows_NX: torch.Tensor, like: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Inverse of ``_pack``: [n, X] bytes -> one [n, *t.shape[1:]] tensor per template ``t``."""
+    out, off, n = [], 0, rows_NX.shape[0]
+    for t in like:
+        width = t.shape[1:].numel() * t.element_size()
+        seg = rows_NX[:, off:off + width].contiguous()  # offset 0: safe to view as a wider dtype
+        out.append(seg.view(t.dtype).reshape((n,) + tuple(t.shape[1:])))
+        off += width
+    return out
+
+
+@torch.no_grad()
+def move_slots(tensors: Sequence[torch.Tensor], src_p2l: Sequence[int], dst_p2l: Sequence[int],
+               group: Optional[dist.ProcessGroup]) -> List[torch.Tensor]:
+    """Collective: re-lay per-slot tensors from one placement to another.
+
+    Args:
+        tensors: per-slot tensors of this rank, each [S_src, ...] (dim 0 = local slot of ``src_p2l``);
+            any dtypes, all on one device; the same list (count, dtypes, trailing shapes) on every rank.
+        src_p2l, dst_p2l: phys_to_logical of the current and the new placement (host lists, [P_src] and
+            [P_dst], identical on every rank).
+        group: EP process group (None: W = 1).
+    Returns: the tensors re-laid as [S_dst, ...]: new slot i of this rank holds the data of logical
+    expert dst_p2l[rank * S_dst + i] (replicas are copies). One all_to_all of uint8 rows moves everything.
+    """
+    W, me = group_size(group), group_rank(group)
+    plan = transfer_plan(src_p2l, dst_p2l, W)
+    S_dst = len(dst_p2l) // W
+    send = [[] for _ in range(W)]   # local slots this rank sends to each destination, destination-slot order
+    recv = [[] for _ in range(W)]   # destination local slots filled from each source, same order
+    local = {}                      # destination local slot -> source local slot on this rank
+    for d, i, s, j in plan:         # plan is in destination-slot order: both sides agree on the order
+        if d == me and s == me:
+            local[i] = j
+        elif s == me:
+            send[d].append(j)
+        elif d == me:
+            recv[s].append(i)
+    rows = [None] * S_dst
+    for i, j in local.items():
+        rows[i] = ("local", j)
+    received: List[torch.Tensor] = []
+    n_send, n_recv = [len(x) for x in send], [len(x) for x in recv]
+    if W > 1:
+        # Every rank joins the all-to-all, even with nothing to send or receive (it is collective).
+        flat_send = [j for x in send for j in x]
+        width = sum(t.shape[1:].numel() * t.element_size() for t in tensors)
+        send_NX = _pack(tensors, flat_send) if flat_send else \
+            torch.empty(0, width, dtype=torch.uint8, device=tensors[0].device)
+        recv_NX = all_to_all_v(send_NX, n_recv, n_send, group)
+        received = _unpack(recv_NX, tensors)
+        k = 0
+        for s in range(W):
+            for i in recv[s]:
+                rows[i] = ("recv", k)
+                k += 1
+    assert all(r is not None for r in rows), "every destination slot has a source"
+    out = []
+    for ti, t in enumerate(tensors):
+        new = t.new_empty((S_dst,) + tuple(t.shape[1:]))
+        for i, (kind, j) in enumerate(rows):
+            new[i].copy_(t[j] if kind == "local" else received[ti][j])
+        out.append(new)
+    return out
+
+
+def replica_tables(p2l: Sequence[int], num_experts: int, device=None) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    """Device tables for ``physical_topk``: (slots_EC [E, C] int64 physical slots of each expert, padded
+    with its first slot; count_E [E] int64 replicas per expert; C). Example: p2l [0, 1, 0] ->
+    slots [[0, 2], [1, 1]], count [2, 1], C 2."""
+    slots: List[List[int]] = [[] for _ in range(num_experts)]
+    for p, g in enumerate(p2l):
+        slots[int(g)].append(p)
+    C = max(len(s) for s in slots)
+    table = [s + [s[0]] * (C - len(s)) for s in slots]
+    return (torch.tensor(table, dtype=torch.int64, device=device),
+            torch.tensor([len(s) for s in slots], dtype=torch.int64, device=device), C)
+
+
+def physical_topk(topk_idx_TK: torch.Tensor, slots_EC: torch.Tensor, count_E: torch.Tensor, max_replicas: int,
+                  rank: int = 0) -> torch.Tensor:
+    """Logical expert ids -> physical slots, on the device, no host sync.
+
+    Args:
+        topk_idx_TK: [T, K] int64 logical ids, -1 = dropped (stays -1).
+        slots_EC, count_E, max_replicas: from ``replica_tables``.
+        rank: this rank's EP rank; the round-robin over an expert's replicas starts at ``rank``.
+    Returns: [T, K] int64 physical slot ids. The n-th slot (in token-major order) routed to expert g goes
+    to replica (n + rank) % count_E[g]: deterministic and balanced to within one row per replica.
+    Example (expert 0 on slots [0, 2], expert 1 on [1]; rank 0): idx [[0, 1], [0, -1], [1, 0]]
+        -> [[0, 1], [2, -1], [1, 0]].
+    """
+    E = count_E.shape[0]
+    flat_N = topk_idx_TK.reshape(-1)
+    valid_N = flat_N >= 0
+    if max_replicas == 1:
+        return torch.where(valid_N, slots_EC[:, 0][flat_N.clamp_min(0)], flat_N).reshape(topk_idx_TK.shape)
+    g_N = torch.where(valid_N, flat_N, torch.full_like(flat_N, E))       # dropped slots -> bin E
+    N = g_N.shape[0]
+    order_N = torch.sort(g_N, stable=True).indices                        # by expert, token order within
+    bins = torch.zeros(E + 1, dtype=torch.int64, device=g_N.device).scatter_add_(0, g_N, torch.ones_like(g_N))
+    start = torch.cumsum(bins, 0) - bins
+    occ_N = torch.empty_like(g_N)
+    occ_N[order_N] = torch.arange(N, device=g_N.device) - start[g_N[order_N]]
+    g_safe = g_N.clamp_max(E - 1)
+    j_N = (occ_N + rank) % count_E[g_safe]
+    phys_N = slots_EC[g_safe, j_N]
+    return torch.where(valid_N, phys_N, flat_N).reshape(topk_idx_TK.shape)
+
+
+@torch.no_grad()
+def sync_replica_grads(params: Sequence[nn.Parameter], local_logical: Sequence[int], p2l: Sequence[int],
+                       group: Optional[dist.ProcessGroup]) -> int:
+    """Collective: sum the gradients of every replicated expert over the ranks holding its replicas.
+
+    Args:
+        params: per-slot parameters of this rank ([S, ...] each; a missing .grad counts as zeros and is
+            created).
+        local_logical: logical id of each local slot. p2l: global phys_to_logical [P].
+        group: EP process group.
+    Returns: the number of replicated logical experts (0: nothing to do, and no collective on any rank,
+    since p2l is the same everywhere). One all_reduce in float32 (float64 for float64 grads) over the
+    whole group; ranks without a replica of an expert add zeros, so every replica ends up with the sum.
+    """
+    counts: Dict[int, int] = {}
+    for g in p2l:
+        counts[int(g)] = counts.get(int(g), 0) + 1
+    replicated = sorted(g for g, c in counts.items() if c > 1)
+    if not replicated or group is None or group_size(group) == 1:
+        return len(replicated)
+    row_of = {g: j for j, g in enumerate(replicated)}
+    local = [(i, row_of[g]) for i, g in enumerate(local_logical) if g in row_of]
+    acc = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+    widths = [p[0].numel() for p in params]
+    buf_NX = torch.zeros(len(replicated), sum(widths), dtype=acc, device=params[0].device)
+    off = 0
+    for p, w in zip(params, widths):
+        if p.grad is not None:
+            for i, j in local:
+                buf_NX[j, off:off + w] = p.grad[i].reshape(-1)
+        off += w
+    dist.all_reduce(buf_NX, group=group)
+    off = 0
+    for p, w in zip(params, widths):
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        for i, j in local:
+            p.grad[i].copy_(buf_NX[j, off:off + w].reshape(p.shape[1:]))
+        off += w
+    return len(replicated)
+
+
+def optimizer_slot_state(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter],
+                         num_slots: int) -> Tuple[List[Tuple[int, str]], List[torch.Tensor], list]:
+    """The per-slot optimizer state of ``params`` (torch optimizers keyed by parameter).
+
+    A state entry is per-slot when it is a tensor with at least one dimension whose dim 0 has
+    ``num_slots`` entries (Adam's exp_avg / exp_avg_sq / max_exp_avg_sq, SGD's momentum_buffer, ...);
+    0-dim tensors (Adam's shared ``step``) and non-tensors are shared by all slots and kept as they are.
+    Returns (keys [(param index, state key)], tensors, signature); the signature (keys, dtypes, trailing
+    shapes, shared keys) must be the same on every rank. Raises ValueError for any other tensor entry.
+    """
+    keys, tensors, sig = [], [], []
+    for pi, p in enumerate(params):
+        st = optimizer.state.get(p, {}) if hasattr(optimizer, "state") else {}
+        for key in sorted(st, key=str):
+            v = st[key]
+            if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == num_slots:
+                keys.append((pi, key))
+                tensors.append(v)
+                sig.append((pi, str(key), "slot", str(v.dtype), tuple(v.shape[1:])))
+            elif torch.is_tensor(v) and v.dim() >= 1:
+                raise ValueError(f"optimizer state {key!r} of expert parameter {pi} has shape {tuple(v.shape)}; "
+                                 f"apply_placement moves only per-slot state (dim 0 = {num_slots} slots) and "
+                                 "0-dim / non-tensor entries")
+            else:
+                sig.append((pi, str(key), "shared"))
+    return keys, tensors, sig

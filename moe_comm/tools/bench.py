@@ -1,0 +1,264 @@
+"""Dispatch throughput measurement on the ranks of a group: ours vs the raw all-to-all of the same bytes.
+
+Shapes legend: T tokens per rank, H hidden, E experts, K top-k, N routed rows sent, R received.
+Timing: every measured call is bracketed by barriers; a point's time is the slowest rank's
+median over repeats (the all-to-all finishes when its slowest participant does). Every figure
+therefore includes one barrier; the "barrier" phase (an empty call) is that floor.
+
+The minimal pair ("min dispatch", "min combine"): what any dispatch + combine over this transport
+must do, timed as one call each: layout, the counts exchange issued and the rows permuted while it
+travels, then the raw all-to-all into a buffer already touched (no regroup, no fresh output); and back:
+the raw all-to-all, then the weighted unpermute. limit = 2 raw / (min dispatch + min combine) is the
+best end-to-end ratio when none of those passes overlaps a transfer. Where the CPU that moves the
+bytes also runs the passes (gloo on loopback) the transfer cannot hide them and this is the ceiling;
+on a link slower than memory, overlap could beat it.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, List
+
+import torch
+import torch.distributed as dist
+
+from moe_comm.dispatch.dispatcher import Dispatcher
+
+__all__ = ["timed", "slowest_median", "BenchPoint", "measure_dispatch", "self_check_dispatch", "payload", "bench_rank", "grid_points"]
+
+
+@dataclass
+class BenchPoint:
+    world_size: int
+    tokens: int
+    hidden: int
+    experts: int
+    top_k: int
+    dtype: str
+    dispatch_bytes: int       # routed rows leaving this rank (rank 0) * H * element size
+    dispatch_s: float
+    combine_s: float
+    raw_a2a_s: float          # all_to_all_single of exactly the dispatch's bytes and splits
+    dispatch_gbps: float
+    combine_gbps: float
+    raw_gbps: float
+    dispatch_vs_raw: float    # raw time / dispatch time (1.0 = as fast as the transport)
+    combine_vs_raw: float
+    tokens_per_s: float       # tokens through dispatch + combine per second, per rank
+    end_to_end_vs_raw: float = 0.0   # 2 * raw / (dispatch + combine)
+    bytes_per_pair: int = 0          # dispatch_bytes / W: the mean message per rank pair
+    num_chunks: int = 1
+    workload: str = "uniform"
+    layer_step_s: float = 0.0        # pipelined layer forward + backward with num_chunks (0: not measured)
+    phases_s: Dict[str, float] = None  # layout, permute, counts, a2a, regroup, unpermute, barrier, min_dispatch,
+    #                                    min_combine (slowest rank)
+    direct: bool = False             # dispatch/combine moved rows point-to-point (no regroup)
+    serial_limit_vs_raw: float = 0.0  # 2 raw / (min dispatch + min combine): see the module docstring
+    cached_freed_memory: bool = False  # moe_comm.tools.launch.cache_freed_memory took effect in the ranks
+
+    def as_dict(self) -> Dict:
+        return asdict(self)
+
+
+def timed(fn, group) -> float:
+    """Seconds ``fn`` takes on this rank, bracketed by barriers (collective)."""
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier(group=group)
+    return time.perf_counter() - t0
+
+
+def slowest_median(samples: List[float], group) -> float:
+    """The slowest rank's median of ``samples`` (collective: one all_reduce MAX)."""
+    t = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t)
+
+
+def payload(rank: int, num_tokens: int, hidden: int, dtype=torch.float32) -> torch.Tensor:
+    """Self-describing rows [T, H]: column 0 = source rank, column 1 = token id, the rest a function of
+    both (exact in bf16 for small values), so any misrouted row names where it came from."""
+    t = torch.arange(num_tokens, dtype=torch.float64)[:, None]
+    h = torch.arange(hidden, dtype=torch.float64)[None, :]
+    x = (rank * 7 + t * 3 + h) % 61
+    x[:, 0] = rank
+    if hidden > 1:
+        x[:, 1] = t[:, 0]
+    return x.to(dtype)
+
+
+def self_check_dispatch(dispatcher: Dispatcher, routing_of: Callable[[int], torch.Tensor],
+                        tokens_of: Callable[[int], int], hidden: int, dtype=torch.float32) -> int:
+    """Dispatch ``payload`` rows and check every received row against all ranks' routing.
+
+    routing_of(r) / tokens_of(r): rank r's topk_idx_TK and token count (known on every rank).
+    Checks that each local expert receives exactly the (source rank, token) pairs that chose it,
+    ordered by source rank then token, with the full row intact; then that combine with an
+    identity expert returns the weighted sum of the token's rows. Returns the rows received.
+    Raises AssertionError naming the first wrong row.
+    """
+    rank, W, e = dispatcher.rank, dispatcher.world_size, dispatcher.num_local_experts
+    x_TH = payload(rank, tokens_of(rank), hidden, dtype)
+    topk_idx_TK = routing_of(rank)
+    out = dispatcher.dispatch(x_TH, topk_idx_TK)
+    start = 0
+    for j, n in enumerate(out.counts):
+        g = rank * e + j
+        expected = [(s, t) for s in range(W) for t in (routing_of(s) == g).any(1).nonzero().flatten().tolist()]  # host sync: self-check, off the hot path
+        rows = out.tokens[start:start + n]
+        got = [(int(a), int(b)) for a, b in rows[:, :2].tolist()]  # host sync: self-check, off the hot path
+        if got != expected:
+            raise AssertionError(f"rank {rank} expert {g}: received (rank, token) {got[:8]}..., "
+                                 f"expected {expected[:8]}...")
+        for (s, t), row in zip(expected, rows):
+            if not torch.equal(row, payload(s, t + 1, hidden, dtype)[t]):
+                raise AssertionError(f"rank {rank} expert {g}: row of (rank {s}, token {t}) corrupted")
+        start += n
+    weight_TK = torch.rand(topk_idx_TK.shape, generator=torch.Generator().manual_seed(rank))
+    y_TH = dispatcher.combine(out.tokens, weight_TK, out.handle)
+    valid = (topk_idx_TK >= 0).to(weight_TK.dtype)
+    expected_y = x_TH.double() * (weight_TK * valid).sum(1, keepdim=True).double()
+    if not torch.allclose(y_TH.double(), expected_y, rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-5):
+        raise AssertionError(f"rank {rank}: combine of identity experts is not the weighted sum of the token")
+    return out.tokens.shape[0]
+
+
+def measure_dispatch(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor,
+                     dispatcher: Dispatcher, repeats: int = 10, warmup: int = 2) -> BenchPoint:
+    """Time dispatch, combine, the raw all-to-all of the same bytes, and each phase on its own
+    (collective over the group; every rank must call it with its own inputs)."""
+    from moe_comm import ops
+    from moe_comm.comm.collectives import exchange_counts, exchange_counts_async, wait_work
+    from moe_comm.kernels import select_backend
+
+    group = dispatcher.group
+    out = dispatcher.dispatch(x_TH, topk_idx_TK)
+    handle = out.handle
+    plan = handle.chunks[0]
+    H = x_TH.shape[1]
+    x_NH = ops.permute(x_TH, handle.layout)
+    raw_out = x_TH.new_empty(plan.num_recv, H)  # the transport's best case: a buffer already touched
+    W = dist.get_world_size(group) if group is not None else 1
+    counts = torch.zeros(W, dispatcher.num_local_experts + 3, dtype=torch.int64)
+    y_RH = out.tokens.clone()
+    back_NH = torch.empty_like(x_NH)
+    send_NH = torch.empty_like(x_NH)
+
+    def min_dispatch():
+        layout = ops.make_layout(topk_idx_TK, dispatcher.num_experts, num_ranks=W)
+        send_WX = torch.cat([layout.counts_CWe[0], counts[:, dispatcher.num_local_experts:]], dim=1)
+        recv_WX, work = exchange_counts_async(send_WX, group)
+        select_backend("auto", x_TH.device).permute_rows(x_TH, layout.token_S[:plan.num_rows], out=send_NH)
+        wait_work(work, "counts exchange")
+        recv_WX.tolist()  # host sync: the split sizes, as any dispatch needs
+        _raw(send_NH, raw_out, plan, group)
+
+    def min_combine():
+        _raw(raw_out, back_NH, plan, group, back=True)
+        ops.unpermute(back_NH, handle.layout, topk_weight_TK)
+
+    phases = {
+        "layout": lambda: ops.make_layout(topk_idx_TK, dispatcher.num_experts, num_ranks=W),
+        "permute": lambda: ops.permute(x_TH, handle.layout, out=dispatcher.workspace.rows("send", plan.num_rows, H, x_TH)),
+        "counts": lambda: exchange_counts(counts, group),
+        "a2a": lambda: _raw(x_NH, raw_out, plan, group),
+        "regroup": lambda: (ops.gather_rows(raw_out, plan.expert_index_R, plan.source_index_R)
+                            if plan.expert_index_R is not None else None),
+        "unpermute": lambda: ops.unpermute(x_NH, handle.layout, topk_weight_TK),
+        "barrier": lambda: None,  # the floor every timed figure includes
+        "min_dispatch": min_dispatch,
+        "min_combine": min_combine,
+    }
+    samples = {k: [] for k in ("dispatch", "combine", *phases)}
+    for i in range(warmup + repeats):
+        holder = {}
+        td = timed(lambda: holder.setdefault("out", dispatcher.dispatch(x_TH, topk_idx_TK)), group)
+        tc = timed(lambda: dispatcher.combine(y_RH, topk_weight_TK, holder["out"].handle), group)
+        holder.clear()  # the dispatch output dies here, as in a layer: the next one can reuse its memory
+        times = {"dispatch": td, "combine": tc}
+        for name, fn in phases.items():
+            times[name] = timed(fn, group)
+        if i >= warmup:
+            for k, v in times.items():
+                samples[k].append(v)
+    med = {k: slowest_median(v, group) for k, v in samples.items()}
+    if plan.direct:
+        med["regroup"] = 0.0  # rows arrive in expert-major order: no regroup pass
+    d, c, r = med["dispatch"], med["combine"], med["a2a"]
+    nbytes = plan.num_rows * H * x_TH.element_size()
+    T = x_TH.shape[0]
+    return BenchPoint(world_size=W, tokens=T, hidden=H, experts=dispatcher.num_experts,
+                      top_k=topk_idx_TK.shape[1], dtype=str(x_TH.dtype).replace("torch.", ""),
+                      dispatch_bytes=nbytes, dispatch_s=d, combine_s=c, raw_a2a_s=r,
+                      dispatch_gbps=nbytes / d / 1e9, combine_gbps=nbytes / c / 1e9, raw_gbps=nbytes / r / 1e9,
+                      dispatch_vs_raw=r / d, combine_vs_raw=r / c, tokens_per_s=T / (d + c),
+                      end_to_end_vs_raw=2 * r / (d + c), bytes_per_pair=nbytes // max(W, 1),
+                      phases_s={k: med[k] for k in phases}, direct=plan.direct,
+                      serial_limit_vs_raw=2 * r / (med["min_dispatch"] + med["min_combine"]))
+
+
+def _raw(x, out, plan, group, back: bool = False):
+    """The raw all-to-all of the dispatch's bytes and splits (``back``: the combine's direction)."""
+    from moe_comm.comm.collectives import all_to_all_v_async, wait_work
+
+    out_splits, in_splits = (plan.send_splits_W, plan.recv_splits_W) if back else (plan.recv_splits_W, plan.send_splits_W)
+    wait_work(all_to_all_v_async(out, x, out_splits, in_splits, group), "raw a2a")
+
+
+def grid_points(opts: Dict) -> List[Dict]:
+    """Cartesian product of the list-valued options (tokens, hidden, top_k, experts, chunks, dtype, workload)."""
+    import itertools
+
+    keys = ("tokens", "hidden", "top_k", "experts", "chunks", "dtype", "workload")
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(opts[k] for k in keys))]
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def bench_rank(rank: int, world_size: int, opts: Dict) -> List[Dict]:
+    """Run every grid point on this rank (collective); returns the points (rank 0's view)."""
+    from moe_comm.config import MoEConfig
+    from moe_comm.tools.launch import freed_memory_cached
+    from moe_comm.modules.layer import MoELayer
+    from moe_comm.testing.workloads import make_workload
+
+    points = grid_points(opts)
+    progress = None
+    if rank == 0 and opts.get("progress", True):
+        from rich.progress import Progress
+        progress = Progress(transient=True)
+        progress.start()
+        task = progress.add_task(f"moe-comm bench, {world_size} ranks", total=len(points))
+    results = []
+    try:
+        for pt in points:
+            T, H, K, E = pt["tokens"], pt["hidden"], pt["top_k"], pt["experts"]
+            dtype = _DTYPES[pt["dtype"]]
+            g = torch.Generator().manual_seed(1000 * rank + 7)
+            x = torch.randn(T, H, generator=g).to(dtype)
+            idx = make_workload(pt["workload"])(T, E, K, seed=opts.get("seed", 0) * 1000 + rank)
+            w = torch.rand(T, K, generator=g)
+            d = Dispatcher(num_experts=E)
+            point = measure_dispatch(x, idx, w, d, repeats=opts.get("repeats", 10))
+            point.num_chunks = pt["chunks"]
+            point.cached_freed_memory = freed_memory_cached()
+            point.workload = pt["workload"]
+            if opts.get("layer", True):
+                cfg = MoEConfig(hidden_size=H, ffn_hidden_size=opts.get("ffn", 256), num_experts=E, top_k=K,
+                                num_chunks=pt["chunks"])
+                layer = MoELayer(cfg, seed=1, dtype=dtype)
+                xs = x[: min(T, opts.get("layer_tokens", 1024))].clone().requires_grad_(True)
+                times = []
+                for i in range(3):
+                    times.append(timed(lambda: layer(xs).float().square().mean().backward(), d.group))
+                point.layer_step_s = slowest_median(times[1:], d.group)
+            results.append(point.as_dict())
+            if progress is not None:
+                progress.advance(task)
+    finally:
+        if progress is not None:
+            progress.stop()
+    return results
