@@ -29,7 +29,7 @@ import moe_comm  # noqa: E402
 from moe_comm.tools.bench import slowest_median, timed  # noqa: E402
 from moe_comm.comm.collectives import all_to_all_v  # noqa: E402
 from moe_comm.tools.launch import run_ranks  # noqa: E402
-from moe_comm.profiling.timeline import overlap_report  # noqa: E402
+from moe_comm.profiling import overlap_report  # noqa: E402
 
 
 def _step(layer, x):

@@ -11,7 +11,8 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-__all__ = ["check_int", "check_float", "check_choice", "check_tensor", "check_out", "check_int_list", "describe"]
+__all__ = ["check_int", "check_int_list", "check_float", "check_fraction", "check_bool", "check_choice",
+           "check_tensor", "check_same_device", "check_out", "describe"]
 
 
 def describe(value) -> str:
@@ -59,6 +60,22 @@ def check_float(name: str, value, low: Optional[float] = None, *, high: Optional
     return float(value)
 
 
+def check_fraction(name: str, value) -> float:
+    """A finite number in [0, 1] (a share, a probability); returns it as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a fraction in [0, 1], got {describe(value)}")
+    if not 0.0 <= value <= 1.0:  # also rejects nan
+        raise ValueError(f"{name} must be a fraction in [0, 1], got {value}")
+    return float(value)
+
+
+def check_bool(name: str, value) -> bool:
+    """A bool (not an int standing for one); returns it."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {describe(value)}")
+    return value
+
+
 def check_choice(name: str, value, choices: Iterable):
     choices = tuple(choices)
     if value not in choices:
@@ -68,15 +85,21 @@ def check_choice(name: str, value, choices: Iterable):
 
 def check_tensor(name: str, t, *, dim: Optional[int] = None, dtypes: Optional[Sequence[torch.dtype]] = None,
                  floating: bool = False, integer: bool = False, device: Optional[torch.device] = None,
-                 shape: Optional[Sequence[Optional[int]]] = None) -> torch.Tensor:
-    """A tensor with the given rank, dtype family or set, device and shape (None entries: any size)."""
+                 shape: Optional[Sequence[Optional[int]]] = None, shape_from: Optional[str] = None) -> torch.Tensor:
+    """A tensor with the given rank, dtype family or set, device and shape (None entries: any size).
+
+    ``shape_from`` says where the expected shape comes from, for the message:
+    ``check_tensor("x_TH", x, shape=(3, None), shape_from="T from the layout")`` raises
+    "x_TH must have shape [3, *] (T from the layout), got (4, 2)".
+    """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if dim is not None and t.dim() != dim:
         raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
     if shape is not None and (t.dim() != len(shape) or any(s is not None and s != g for s, g in zip(shape, t.shape))):
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+        why = f" ({shape_from})" if shape_from else ""
+        raise ValueError(f"{name} must have shape {want}{why}, got {tuple(t.shape)}")
     if floating and not t.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
     if integer and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
@@ -89,11 +112,27 @@ def check_tensor(name: str, t, *, dim: Optional[int] = None, dtypes: Optional[Se
     return t
 
 
-def check_out(name: str, out, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
-    """An optional ``out=`` buffer: None, or a contiguous tensor of exactly this shape, dtype and device."""
+def check_same_device(ref_name: str, ref: torch.Tensor, **others: Optional[torch.Tensor]) -> None:
+    """Every tensor of ``others`` (None entries skipped) is on ``ref``'s device.
+    Example: ``check_same_device("x_TH", x, token_N=idx)`` -> "token_N must be on x_TH's device cpu, got meta"."""
+    for name, t in others.items():
+        if t is not None and t.device != ref.device:
+            raise ValueError(f"{name} must be on {ref_name}'s device {ref.device}, got {t.device}")
+
+
+def check_out(name: str, out, shape: Sequence[int], dtype: torch.dtype, device: torch.device, *,
+              like: Optional[str] = None, contiguous: bool = True) -> Optional[torch.Tensor]:
+    """An optional ``out=`` buffer: None, or a tensor of exactly this shape, dtype and device (and contiguous
+    unless ``contiguous=False``, for writers that stage into a dense buffer). ``like`` names the argument
+    whose dtype and device ``out`` must share: "out must have x_TH's dtype float32, got torch.float64"."""
     if out is None:
         return None
-    check_tensor(name, out, shape=list(shape), dtypes=(dtype,), device=device)
-    if not out.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
+    check_tensor(name, out, shape=list(shape))
+    whose = f"{like}'s " if like else ""
+    if out.dtype != dtype:
+        raise TypeError(f"{name} must have {whose}dtype {str(dtype).replace('torch.', '')}, got {out.dtype}")
+    if out.device != torch.device(device):
+        raise ValueError(f"{name} must be on {whose}device {device}, got a tensor on {out.device}")
+    if contiguous and not out.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {out.stride()}")
     return out

@@ -8,16 +8,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
+from moe_comm._checks import check_bool, check_choice, check_float, check_int
+
 __all__ = ["MoEConfig"]
 
 _SCORE_FUNCS = ("softmax", "sigmoid")
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"MoEConfig.{name} must be an int, got {type(value).__name__} ({value!r})")
-    if value < minimum:
-        raise ValueError(f"MoEConfig.{name} must be >= {minimum}, got {value}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,26 +57,26 @@ class MoEConfig:
     shared_ffn_hidden_size: Optional[int] = None
 
     def __post_init__(self) -> None:
-        _check_int("hidden_size", self.hidden_size, 1)
-        _check_int("ffn_hidden_size", self.ffn_hidden_size, 1)
-        _check_int("num_experts", self.num_experts, 1)
-        _check_int("top_k", self.top_k, 1)
+        for name, low in (("hidden_size", 1), ("ffn_hidden_size", 1), ("num_experts", 1), ("top_k", 1),
+                          ("num_shared_experts", 0)):
+            check_int(f"MoEConfig.{name}", getattr(self, name), low)
         if self.top_k > self.num_experts:
             raise ValueError(
                 f"MoEConfig.top_k must be <= num_experts ({self.num_experts}), got {self.top_k}")
-        if self.score_func not in _SCORE_FUNCS:
-            raise ValueError(f"MoEConfig.score_func must be one of {_SCORE_FUNCS}, got {self.score_func!r}")
-        if not isinstance(self.norm_topk_prob, bool):
-            raise TypeError(f"MoEConfig.norm_topk_prob must be a bool, got {type(self.norm_topk_prob).__name__}")
-        if self.num_chunks != "auto":
-            _check_int("num_chunks", self.num_chunks, 1)
+        check_choice("MoEConfig.score_func", self.score_func, _SCORE_FUNCS)
+        check_bool("MoEConfig.norm_topk_prob", self.norm_topk_prob)
+        if isinstance(self.num_chunks, str):
+            if self.num_chunks != "auto":
+                raise ValueError(f"MoEConfig.num_chunks must be an int >= 1 or 'auto', got {self.num_chunks!r}")
+        else:
+            check_int("MoEConfig.num_chunks", self.num_chunks, 1)
         if (self.num_groups is None) != (self.topk_groups is None):
             raise ValueError(
                 "MoEConfig.num_groups and topk_groups must be given together, got "
                 f"num_groups={self.num_groups!r}, topk_groups={self.topk_groups!r}")
         if self.num_groups is not None:
-            _check_int("num_groups", self.num_groups, 1)
-            _check_int("topk_groups", self.topk_groups, 1)
+            check_int("MoEConfig.num_groups", self.num_groups, 1)
+            check_int("MoEConfig.topk_groups", self.topk_groups, 1)
             if self.num_experts % self.num_groups:
                 raise ValueError(
                     f"MoEConfig.num_groups must divide num_experts ({self.num_experts}), got {self.num_groups}")
@@ -92,21 +87,13 @@ class MoEConfig:
                 raise ValueError(
                     "MoEConfig.topk_groups * experts per group must be >= top_k "
                     f"({self.top_k}), got {self.topk_groups} * {self.num_experts // self.num_groups}")
-        for name in ("aux_loss_coeff", "z_loss_coeff"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise ValueError(f"MoEConfig.{name} must be a float >= 0, got {v!r}")
-        if not isinstance(self.route_scale, (int, float)) or isinstance(self.route_scale, bool) \
-                or not self.route_scale > 0:
-            raise ValueError(f"MoEConfig.route_scale must be a float > 0, got {self.route_scale!r}")
-        if self.capacity_factor is not None:
-            if isinstance(self.capacity_factor, bool) or not isinstance(self.capacity_factor, (int, float)) \
-                    or not self.capacity_factor > 0:
-                raise ValueError(
-                    f"MoEConfig.capacity_factor must be None (dropless) or a float > 0, got {self.capacity_factor!r}")
-        _check_int("num_shared_experts", self.num_shared_experts, 0)
+        check_float("MoEConfig.aux_loss_coeff", self.aux_loss_coeff, 0.0)
+        check_float("MoEConfig.z_loss_coeff", self.z_loss_coeff, 0.0)
+        check_float("MoEConfig.route_scale", self.route_scale, 0.0, low_open=True)
+        if self.capacity_factor is not None:  # None: dropless
+            check_float("MoEConfig.capacity_factor", self.capacity_factor, 0.0, low_open=True)
         if self.shared_ffn_hidden_size is not None:
-            _check_int("shared_ffn_hidden_size", self.shared_ffn_hidden_size, 1)
+            check_int("MoEConfig.shared_ffn_hidden_size", self.shared_ffn_hidden_size, 1)
 
     @property
     def shared_ffn_size(self) -> int:

@@ -1,19 +1,20 @@
 """Router: scores, group-limited top-k, aux / z losses, optional capacity.
 
-Shapes legend: T tokens, H hidden, E experts (global), K top-k, G expert groups.
+Shapes legend: T tokens, H hidden, E experts (global), K top-k, G expert groups, n = E / G experts per group.
 Logits are computed in float32 (float64 when x is float64); weights come out in that dtype.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
 from typing import Tuple
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange, repeat
 from torch import nn
 
+from moe_comm._checks import check_int, check_tensor
 from moe_comm.config import MoEConfig
 
 __all__ = ["Router", "RouterOutput", "route"]
@@ -34,13 +35,12 @@ class RouterOutput:
 def _group_limited_mask(select_TE: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
     """-inf outside each token's best ``topk_groups`` groups. A group's score is the sum of its top-2
     scores (DeepSeek-V3), or its max when a group holds one expert."""
-    T, E = select_TE.shape
-    per_group = E // num_groups
-    grouped_TGg = select_TE.reshape(T, num_groups, per_group)
-    group_score_TG = grouped_TGg.topk(min(2, per_group), dim=-1).values.sum(-1)
+    per_group = select_TE.shape[1] // num_groups
+    grouped_TGn = rearrange(select_TE, "t (g n) -> t g n", g=num_groups)  # n = experts per group
+    group_score_TG = grouped_TGn.topk(min(2, per_group), dim=-1).values.sum(-1)
     keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool)
     keep_TG.scatter_(1, group_score_TG.topk(topk_groups, dim=-1).indices, True)
-    keep_TE = keep_TG.repeat_interleave(per_group, dim=1)
+    keep_TE = repeat(keep_TG, "t g -> t (g n)", n=per_group)
     return select_TE.masked_fill(~keep_TE, float("-inf"))
 
 
@@ -70,6 +70,13 @@ def route(logits_TE: torch.Tensor, cfg: MoEConfig, expert_bias_E: torch.Tensor |
     Example (softmax, K=1): logits [[0, ln 3]] -> scores [[.25, .75]] -> idx [[1]], weight [[1.0]]
         (norm_topk_prob renormalises the single weight to 1).
     """
+    if not isinstance(cfg, MoEConfig):
+        raise TypeError(f"cfg must be a MoEConfig, got {type(cfg).__name__}")
+    check_tensor("logits_TE", logits_TE, shape=(None, cfg.num_experts), shape_from="[T, E], E = cfg.num_experts",
+                 floating=True)
+    if expert_bias_E is not None:
+        check_tensor("expert_bias_E", expert_bias_E, shape=(cfg.num_experts,), shape_from="E = cfg.num_experts",
+                     floating=True)
     T, E = logits_TE.shape
     K = cfg.top_k
     scores_TE = logits_TE.softmax(-1) if cfg.score_func == "softmax" else logits_TE.sigmoid()
@@ -134,6 +141,8 @@ def count_tokens(topk_idx_TK: torch.Tensor, num_experts: int) -> Tuple[torch.Ten
     Returns: (counts_E [E] int64, dropped [] int64), on topk_idx_TK's device.
     Example: idx [[0, 2], [2, -1]], E=3 -> counts [1, 0, 2], dropped 1.
     """
+    check_tensor("topk_idx_TK", topk_idx_TK, dtypes=(torch.int64,))
+    check_int("num_experts", num_experts, 1)
     flat = topk_idx_TK.reshape(-1)
     # scatter_add into E + 1 bins (bin 0 = dropped) rather than bincount, which syncs on CUDA to size its output.
     bins = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)

@@ -29,8 +29,12 @@ def disagreement(what: str, values_by_rank: Sequence[Any], fmt: Callable[[Any], 
                 break
         else:
             groups.append([v, [r]])
-    if len(groups) == 1:
+    if len(groups) <= 1:
         return None
+    try:
+        groups.sort(key=lambda g: g[0])  # by value where values order (numbers, strings)
+    except TypeError:
+        pass
     return f"{what} differs across the EP group: " + ", ".join(f"{fmt(v)} on ranks {rs}" for v, rs in groups)
 
 
@@ -69,6 +73,6 @@ def agree(group: Optional[dist.ProcessGroup], values: Dict[str, Any], *, what: s
                                     "arguments, every rank raised]") from local_error
         reasons = "; ".join(f"rank {r}: {every[r][1]}" for r in failed)
         raise RemoteError(f"{what}: EP rank(s) {failed} rejected their arguments, every rank raised ({reasons})")
-    diffs = [d for d in (disagreement(f"{what}: {name}", [v[name] for v, _ in every]) for name in values) if d]
+    diffs = [d for d in (disagreement(f"{what}: {name}", [v[name] for v, _ in every], repr) for name in values) if d]
     if diffs:
         raise ValueError("; ".join(diffs))

@@ -8,25 +8,87 @@ bfloat16 reductions, but an all-to-all needs no arithmetic).
 from __future__ import annotations
 
 import datetime
-import time
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["resolve_group", "group_size", "group_rank", "all_to_all_v", "all_to_all_v_async", "exchange_counts",
-           "exchange_counts_async", "exchange_segments", "CollectiveError", "wait_work"]
+__all__ = ["resolve_group", "group_size", "group_rank", "group_device", "all_to_all_v", "all_to_all_v_async",
+           "exchange_counts", "exchange_counts_async", "issue_segments", "CollectiveError", "wait_work", "poison",
+           "check_usable", "record_arrival", "arrivals", "REBUILD"]
+
+
+REBUILD = ("the process group can no longer be trusted: rebuild it (dist.destroy_process_group(), "
+           "dist.init_process_group(...) on every rank) and the layers from their state_dict")
 
 
 class CollectiveError(RuntimeError):
-    """A collective failed or timed out (a dead or stuck peer); names the phase and chunk."""
+    """A collective failed or timed out (a dead or stuck peer), or the group was poisoned by an earlier
+    one; names the phase, the chunk and, when known, the peers that did not arrive."""
+
+
+# Groups on which a collective failed or timed out (group name -> what happened). Work issued on such a
+# group may still be pending in the backend (gloo pairs collectives by order), so nothing more is issued.
+_POISONED: Dict[str, str] = {}
+
+
+def _group_key(group: Optional[dist.ProcessGroup]) -> str:
+    if group is None:
+        return "<single process>"
+    return getattr(group, "group_name", None) or str(id(group))
+
+
+def poison(group: Optional[dist.ProcessGroup], reason: str) -> None:
+    """Mark ``group`` unusable for moe_comm: every later call on it raises CollectiveError at once."""
+    _POISONED.setdefault(_group_key(group), reason)
+
+
+def check_usable(group: Optional[dist.ProcessGroup], rank: int = 0) -> None:
+    """Raise CollectiveError when an earlier collective on ``group`` failed (see ``poison``)."""
+    reason = _POISONED.get(_group_key(group))
+    if reason is not None:
+        raise CollectiveError(f"moe_comm: EP rank {rank}: an earlier collective on this group failed ({reason}); "
+                              f"{REBUILD}")
+
+
+def _store():
+    try:  # the default store of the process group (TCPStore / FileStore); set ~5-10 us here
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # not initialised through init_process_group, or a torch without it
+        return None
+
+
+def record_arrival(group: Optional[dist.ProcessGroup], where: str) -> None:
+    """Note in the group's store that this rank reached ``where`` (read when a peer times out)."""
+    store = _store()
+    if store is not None and group is not None:
+        store.set(f"moe_comm/arrival/{_group_key(group)}/{dist.get_rank()}", where)
+
+
+def arrivals(group: Optional[dist.ProcessGroup]) -> Dict[int, str]:
+    """EP rank -> the last place that rank recorded (ranks that recorded nothing are left out)."""
+    store = _store()
+    out: Dict[int, str] = {}
+    if store is None or group is None:
+        return out
+    for r, g in enumerate(dist.get_process_group_ranks(group)):
+        key = f"moe_comm/arrival/{_group_key(group)}/{g}"
+        try:
+            if store.check([key]):
+                out[r] = store.get(key).decode()
+        except Exception:  # the store itself may be gone with a dead rank 0
+            break
+    return out
 
 
 def wait_work(work, phase: str, chunk: int = -1, *, timeout: Optional[float] = None, rank: int = 0,
-              direction: str = "fwd", what: str = "all-to-all") -> None:
-    """``work.wait()`` that turns a failure or timeout into a CollectiveError naming where it happened.
+              direction: str = "fwd", what: str = "all-to-all", group: Optional[dist.ProcessGroup] = None,
+              where: Optional[str] = None) -> None:
+    """``work.wait()`` that turns a failure or timeout into a CollectiveError naming where it happened,
+    and poisons ``group`` (a pending collective would pair with the next one).
 
     timeout: seconds (None: the process group's own timeout). what: the kind of transfer, for the message.
+    where: this rank's position (``record_arrival`` text): peers recorded elsewhere are named as stuck.
     """
     if work is None:
         return
@@ -36,9 +98,19 @@ def wait_work(work, phase: str, chunk: int = -1, *, timeout: Optional[float] = N
         else:
             work.wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as e:
-        where = phase if chunk < 0 else f"{phase} of chunk {chunk}"
-        raise CollectiveError(f"moe_comm: EP rank {rank}: the {where} {what} ({direction}) failed or timed "
-                              f"out; a peer rank may have died or stalled: {e}") from e
+        at = phase if chunk < 0 else f"{phase} of chunk {chunk}"
+        stuck = ""
+        if where is not None:
+            seen = arrivals(group)
+            behind = {r: w for r, w in seen.items() if w != where}
+            missing = [r for r in range(group_size(group)) if r not in seen]
+            if behind or missing:
+                stuck = " Peers not at this exchange: " + "; ".join(
+                    [f"EP rank {r} last at {w}" for r, w in sorted(behind.items())]
+                    + [f"EP rank {r} never arrived" for r in missing]) + "."
+        poison(group, f"the {at} {what} ({direction}) on EP rank {rank}: {e}")
+        raise CollectiveError(f"moe_comm: EP rank {rank}: the {at} {what} ({direction}) failed or timed out; a "
+                              f"peer rank may have died or stalled.{stuck} {REBUILD}. Cause: {e}") from e
 
 
 def resolve_group(ep_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
@@ -125,20 +197,19 @@ def exchange_counts(send_WX: torch.Tensor, group: Optional[dist.ProcessGroup], *
     return recv_WX
 
 
-def exchange_segments(out_RH: torch.Tensor, x_NH: torch.Tensor, sends: List[Tuple[int, int, int, int]],
-                      recvs: List[Tuple[int, int, int, int]], group: Optional[dist.ProcessGroup], *,
-                      phase: str, direction: str = "fwd", timeout: Optional[float] = None) -> None:
-    """Move row segments between ranks with point-to-point sends, straight into their final rows.
+def issue_segments(out_RH: torch.Tensor, x_NH: torch.Tensor, sends: List[Tuple[int, int, int, int]],
+                   recvs: List[Tuple[int, int, int, int]], group: Optional[dist.ProcessGroup]) -> list:
+    """Start moving row segments between ranks with point-to-point sends, straight into their final rows.
 
     sends / recvs: (peer rank in group, tag, first row, rows) of ``x_NH`` / ``out_RH``. Between two
     ranks, the k-th send with a tag meets the k-th receive with that tag, so both sides list a
     pair's segments in the same order; empty segments are skipped on both sides alike. Segments a
-    rank sends to itself are copied, the i-th self send into the i-th self receive. Waits for all,
-    ``timeout`` seconds for the whole exchange. Both tensors contiguous, same row width and dtype.
+    rank sends to itself are copied now, the i-th self send into the i-th self receive. Returns the
+    Works to wait for (one ``batch_isend_irecv``). Both tensors contiguous, same row width and dtype.
     """
     me = group_rank(group)
     if x_NH.shape[1:].numel() == 0:
-        return  # zero-width rows: nothing to move (H is shared, every rank skips alike)
+        return []  # zero-width rows: nothing to move (H is shared, every rank skips alike)
     xb, ob = _as_bytes(x_NH), _as_bytes(out_RH)
     world = group is None or group is dist.group.WORLD
 
@@ -152,10 +223,14 @@ def exchange_segments(out_RH: torch.Tensor, x_NH: torch.Tensor, sends: List[Tupl
     own_recvs = [(s, n) for p, _, s, n in recvs if p == me and n]
     for (s, n), (r, m) in zip(own_sends, own_recvs, strict=True):  # while the peers' rows travel
         ob[r:r + m].copy_(xb[s:s + n])
-    deadline = None if timeout is None else time.monotonic() + timeout
-    for w in works:
-        left = None if deadline is None else max(deadline - time.monotonic(), 1e-3)
-        wait_work(w, phase, timeout=left, rank=me, direction=direction, what="point-to-point transfer")
+    return works
+
+
+def group_device(group: Optional[dist.ProcessGroup]) -> torch.device:
+    """Where this group's collectives take their tensors: the current CUDA device for NCCL, else CPU."""
+    if group is not None and "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def all_to_all_v_async(out_RH: torch.Tensor, x_RH: torch.Tensor, out_splits: List[int], in_splits: List[int],

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["PipelinePlan", "fit_alpha_beta", "measure_alpha_beta", "measure_overlap", "predict_step",
-           "choose_num_chunks", "chunk_overhead", "call_expert_fn", "now"]
+           "choose_num_chunks", "chunk_overhead", "call_expert_fn", "now", "AutoChunker"]
 
 CANDIDATES = (1, 2, 4, 8, 16)
 KAPPA_S = 2e-4  # default per-chunk fixed cost when none is measured (~0.2 ms: Python + launches)
@@ -86,9 +86,9 @@ def measure_alpha_beta(group: Optional[dist.ProcessGroup], device: torch.device,
                 torch.cuda.synchronize(device)  # host sync: one-time measurement
             samples.append(time.perf_counter() - t0)
         medians.append(statistics.median(samples[1:]))
-    t = torch.tensor(medians, dtype=torch.float64)
+    t = torch.tensor(medians, dtype=torch.float64).to(device)  # collectives take the group's device
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return fit_alpha_beta([float(s) for s in sizes], t.tolist())  # host sync: none, CPU tensor
+    return fit_alpha_beta([float(s) for s in sizes], t.tolist())  # host sync: one-time measurement
 
 
 def measure_overlap(group: Optional[dist.ProcessGroup], device: torch.device, nbytes: int,
@@ -137,9 +137,9 @@ def measure_overlap(group: Optional[dist.ProcessGroup], device: torch.device, nb
         both.append(timed(together))
     t_both = statistics.median(both)
     eta = (t_mm + t_a2a - t_both) / max(min(t_mm, t_a2a), 1e-9)
-    out = torch.tensor([min(max(eta, 0.0), 1.0)], dtype=torch.float64)
+    out = torch.tensor([min(max(eta, 0.0), 1.0)], dtype=torch.float64).to(device)
     dist.all_reduce(out, op=dist.ReduceOp.MIN, group=group)
-    return float(out)  # host sync: none, a CPU tensor
+    return float(out)  # host sync: one-time measurement (num_chunks='auto', profile)
 
 
 def predict_step(C: int, expert_s: float, nbytes: float, alpha: float, beta: float,
@@ -210,3 +210,70 @@ def chunk_overhead(expert_fn, like_TH: torch.Tensor, num_local_experts: int, rep
                 torch.autograd.grad(out.sum(), [t_in], allow_unused=True)
         samples.append(now(like_TH.device) - t0)
     return statistics.median(samples) / 3.0  # forward share of forward + backward
+
+
+class AutoChunker:
+    """The ``num_chunks="auto"`` state machine of one Dispatcher.
+
+    Call 1 runs unchunked as a warm-up (lazy inits, kernel builds); call 2 unchunked with the experts
+    timed, after which the model shortlists C = 1, its choice with the measured overlap efficiency and
+    its choice with perfect overlap; the next calls try each shortlisted C twice, interleaved, and the
+    fastest (slowest rank, best of two) is kept for good. Every rank takes the same steps (the times are
+    all-reduced), so all agree on C. Collectives use tensors on ``device`` (the group's).
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup], device: torch.device):
+        self.group, self.device = group, device
+        self.world = 1 if group is None else dist.get_world_size(group)
+        self.plan: Optional[PipelinePlan] = None
+        self.calls, self.order, self.times, self.model = 0, None, [], None
+        self.last_C = 1
+
+    def step(self):
+        """(C, measure_experts, timed_trial) for this call."""
+        if self.plan is not None:
+            return self.plan.num_chunks, False, False
+        if torch._C._current_graph_task_id() != -1:
+            # Inside backward (activation checkpointing recomputes the forward): repeat the C of the
+            # forward being recomputed and leave the tuning state alone, identically on every rank.
+            return self.last_C, False, False
+        self.calls += 1
+        if self.order is None:
+            self.last_C = 1
+            return 1, self.calls >= 2, False
+        self.last_C = self.order[len(self.times)]
+        return self.last_C, False, True
+
+    def _all_max(self, values) -> list:
+        t = torch.tensor(values, dtype=torch.float64).to(self.device)
+        if self.group is not None and self.world > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.tolist()  # host sync: only while tuning num_chunks="auto" (a few calls)
+
+    def record_trial(self, seconds: float) -> None:
+        self.times.append(seconds)
+        if len(self.times) < len(self.order):
+            return
+        best_of: Dict[int, float] = {}
+        for C, sec in zip(self.order, self._all_max(self.times)):
+            best_of[C] = min(best_of.get(C, float("inf")), sec)
+        chosen = min(best_of, key=lambda C: (best_of[C], C))
+        tried = ", ".join(f"C={C} {sec * 1e3:.1f} ms" for C, sec in sorted(best_of.items()))
+        self.plan = PipelinePlan(**{**self.model.as_dict(), "num_chunks": chosen, "measured_s": best_of,
+                                    "reason": f"C={chosen}: fastest forward of the shortlist ({tried}); "
+                                              f"model: {self.model.reason}"})
+
+    def make_plan(self, expert_s: float, nbytes: float, kappa: float) -> None:
+        """After the timed unchunked call: fit the link, model C, and set up the shortlist trials.
+        Collective: all ranks agree on the slowest rank's expert time, largest message and overhead."""
+        alpha, beta = measure_alpha_beta(self.group, self.device)
+        expert_max, bytes_max, kappa_max = self._all_max([expert_s, float(nbytes), kappa])
+        # eta: probed with a message of one chunk of a 4-deep pipeline (what overlap would move).
+        eta = measure_overlap(self.group, self.device, int(bytes_max // 4))
+        model = choose_num_chunks(expert_max, bytes_max, alpha, beta, kappa_max, overlap=eta)
+        ideal = choose_num_chunks(expert_max, bytes_max, alpha, beta, kappa_max, overlap=1.0)
+        shortlist = sorted({1, model.num_chunks, ideal.num_chunks})
+        if len(shortlist) == 1:  # nothing to try: the model says C = 1 either way
+            self.plan = model
+            return
+        self.order, self.model = shortlist * 2, model

@@ -13,6 +13,7 @@ from types import ModuleType
 
 import torch
 
+from moe_comm._checks import check_choice
 from moe_comm.kernels import reference
 
 __all__ = ["select_backend", "BACKENDS"]
@@ -30,8 +31,7 @@ def select_backend(backend: str, device: torch.device) -> ModuleType:
     "auto": CUDA -> triton, CPU -> native (C++; one warning and torch if it cannot be built).
     "triton" on CPU tensors only works under TRITON_INTERPRET=1 (set before triton is imported).
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_choice("backend", backend, BACKENDS)
     device = torch.device(device)
     if backend == "torch":
         return reference

@@ -3,9 +3,10 @@
 Shapes legend: T tokens, K top-k slots, S = T*K slots, N permuted rows, H hidden size, E experts (global),
 C chunks.
 
-Layers: ``csrc/permute.cpp`` holds the kernels; the launchers here validate arguments (``TypeError`` /
-``ValueError`` naming the argument, got vs expected), make inputs contiguous, cast weights and scales to
-the accumulation dtype and allocate outputs; the autograd layer is ``moe_comm.ops``.
+Layers: ``csrc/permute.cpp`` holds the kernels; the launchers here validate arguments with
+``moe_comm._checks`` (``TypeError`` / ``ValueError`` naming the argument, got vs expected), make inputs
+contiguous, cast weights and scales to the accumulation dtype and allocate outputs; the autograd layer is
+``moe_comm.ops``.
 Semantics are those of ``reference.py`` and ``moe_comm.ops.layout.layout_reference``: permute and
 unpermute are bit-identical to the reference (for finite rows), ``make_layout`` is exactly equal.
 
@@ -24,6 +25,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from moe_comm._checks import check_int, check_out, check_tensor
 from moe_comm.kernels.reference import acc_dtype
 
 __all__ = ["available", "permute_rows", "unpermute_rows", "unpermute_weight_grad", "make_layout"]
@@ -72,45 +74,22 @@ def _ext() -> ModuleType:
     return ext
 
 
-def _check_tensor(t, name: str, dim: int) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise ValueError(f"{name} must be a CPU tensor for the native backend, got a tensor on {t.device}")
-    if t.dim() != dim:
-        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
-    return t
+_CPU = torch.device("cpu")
 
 
-def _check_index(t, name: str, dim: int) -> torch.Tensor:
-    _check_tensor(t, name, dim)
-    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        raise TypeError(f"{name} must be an integer tensor (int64 preferred), got {t.dtype}")
-    return t.to(torch.int64).contiguous()
+def _index(name: str, t, dim: int) -> torch.Tensor:
+    """A checked CPU integer index tensor as the int64 contiguous tensor the kernels read."""
+    return check_tensor(name, t, device=_CPU, dim=dim, integer=True).to(torch.int64).contiguous()
 
 
-def _check_float(t, name: str, dim: int) -> torch.Tensor:
-    _check_tensor(t, name, dim)
-    if t.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name} must have one of the dtypes {_FLOAT_DTYPES}, got {t.dtype}")
-    return t
-
-
-def _check_out(out, name: str, shape: Tuple[int, int], dtype: torch.dtype) -> None:
-    _check_tensor(out, name, 2)
-    if tuple(out.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(out.shape)}")
-    if out.dtype != dtype:
-        raise TypeError(f"{name} must have dtype {dtype}, got {out.dtype}")
-
-
-def _write(out: Optional[torch.Tensor], shape: Tuple[int, int], dtype: torch.dtype, fill) -> torch.Tensor:
-    """``fill(dst)`` into ``out`` (checked) or a new tensor; a non-contiguous ``out`` gets a contiguous
-    staging buffer copied in after (the kernels write dense rows)."""
+def _write(out: Optional[torch.Tensor], shape: Tuple[int, int], dtype: torch.dtype, like: str, fill) -> torch.Tensor:
+    """``fill(dst)`` into ``out`` (checked: ``shape`` and the dtype of the argument named ``like``) or a new
+    tensor; a non-contiguous ``out`` gets a contiguous staging buffer copied in after (the kernels write
+    dense rows)."""
     if out is None:
         out = torch.empty(shape, dtype=dtype)
     else:
-        _check_out(out, "out", shape, dtype)
+        check_out("out", out, shape, dtype, _CPU, like=like, contiguous=False)
     dst = out if out.is_contiguous() else torch.empty(shape, dtype=dtype)
     fill(dst)
     return out if dst is out else out.copy_(dst)
@@ -131,18 +110,17 @@ def permute_rows(x_TH: torch.Tensor, token_N: torch.Tensor, scale_N: Optional[to
         -> [[2, 2], [1, 1], [2, 2]]
         with scale_N = [0.5, 1, 2] -> [[1, 1], [1, 1], [4, 4]]
     """
-    _check_tensor(x_TH, "x_TH", 2)
-    token_N = _check_index(token_N, "token_N", 1)
+    if scale_N is None:
+        check_tensor("x_TH", x_TH, device=_CPU, dim=2)
+    else:
+        check_tensor("x_TH (scaled by scale_N)", x_TH, device=_CPU, dim=2, dtypes=_FLOAT_DTYPES)
+    token_N = _index("token_N", token_N, 1)
     N, H = token_N.shape[0], x_TH.shape[1]
     if scale_N is not None:
-        if x_TH.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"x_TH must have one of the dtypes {_FLOAT_DTYPES} when scale_N is given, got {x_TH.dtype}")
-        _check_float(scale_N, "scale_N", 1)
-        if scale_N.shape[0] != N:
-            raise ValueError(f"scale_N must have shape ({N},) like token_N, got {tuple(scale_N.shape)}")
+        check_tensor("scale_N", scale_N, device=_CPU, shape=(N,), shape_from="token_N's length", dtypes=_FLOAT_DTYPES)
         scale_N = scale_N.to(acc_dtype(x_TH.dtype)).contiguous()
     x_TH = x_TH.contiguous()
-    return _write(out, (N, H), x_TH.dtype, lambda dst: _ext().permute_rows(x_TH, token_N, scale_N, dst))
+    return _write(out, (N, H), x_TH.dtype, "x_TH", lambda dst: _ext().permute_rows(x_TH, token_N, scale_N, dst))
 
 
 def unpermute_rows(y_NH: torch.Tensor, row_TK: torch.Tensor, weight_TK: Optional[torch.Tensor] = None,
@@ -161,17 +139,15 @@ def unpermute_rows(y_NH: torch.Tensor, row_TK: torch.Tensor, weight_TK: Optional
         -> [[.5*3 + 1, ...], [2*2, ...]] = [[2.5, 2.5], [4, 4]]
         token 1's slot 1 is dropped, so its weight 9 is ignored.
     """
-    _check_float(y_NH, "y_NH", 2)
-    row_TK = _check_index(row_TK, "row_TK", 2)
+    check_tensor("y_NH", y_NH, device=_CPU, dim=2, dtypes=_FLOAT_DTYPES)
+    row_TK = _index("row_TK", row_TK, 2)
     T, H = row_TK.shape[0], y_NH.shape[1]
     if weight_TK is not None:
-        _check_float(weight_TK, "weight_TK", 2)
-        if weight_TK.shape != row_TK.shape:
-            raise ValueError(f"weight_TK must have shape {tuple(row_TK.shape)} like row_TK, "
-                             f"got {tuple(weight_TK.shape)}")
+        check_tensor("weight_TK", weight_TK, device=_CPU, shape=row_TK.shape, shape_from="row_TK's shape",
+                     dtypes=_FLOAT_DTYPES)
         weight_TK = weight_TK.to(acc_dtype(y_NH.dtype)).contiguous()
     y_NH = y_NH.contiguous()
-    return _write(out, (T, H), y_NH.dtype, lambda dst: _ext().unpermute_rows(y_NH, row_TK, weight_TK, dst))
+    return _write(out, (T, H), y_NH.dtype, "y_NH", lambda dst: _ext().unpermute_rows(y_NH, row_TK, weight_TK, dst))
 
 
 def unpermute_weight_grad(grad_TH: torch.Tensor, y_NH: torch.Tensor, row_TK: torch.Tensor) -> torch.Tensor:
@@ -187,12 +163,10 @@ def unpermute_weight_grad(grad_TH: torch.Tensor, y_NH: torch.Tensor, row_TK: tor
         grad_TH = [[1, 2]], y_NH = [[3, 4], [5, 6]], row_TK = [[1, -1]]
         -> [[1*5 + 2*6, 0]] = [[17, 0]]
     """
-    _check_float(grad_TH, "grad_TH", 2)
-    _check_float(y_NH, "y_NH", 2)
-    row_TK = _check_index(row_TK, "row_TK", 2)
-    expected = (row_TK.shape[0], y_NH.shape[1])
-    if tuple(grad_TH.shape) != expected:
-        raise ValueError(f"grad_TH must have shape {expected} ([T, H] from row_TK and y_NH), got {tuple(grad_TH.shape)}")
+    check_tensor("y_NH", y_NH, device=_CPU, dim=2, dtypes=_FLOAT_DTYPES)
+    row_TK = _index("row_TK", row_TK, 2)
+    check_tensor("grad_TH", grad_TH, device=_CPU, shape=(row_TK.shape[0], y_NH.shape[1]),
+                 shape_from="[T, H] from row_TK and y_NH", dtypes=_FLOAT_DTYPES)
     acc = acc_dtype(y_NH.dtype)
     if grad_TH.dtype not in (y_NH.dtype, acc):
         grad_TH = grad_TH.to(acc)
@@ -213,9 +187,8 @@ def make_layout(topk_idx_TK: torch.Tensor, num_experts: int, num_chunks: int = 1
         slots 0..3 have keys [1, 0, 0, drop] -> src_slot_S = [1, 2, 0, 3]
         dest_row_TK = [[2, 0], [1, -1]], counts_CE = [[2, 1]]
     """
-    topk_idx_TK = _check_index(topk_idx_TK, "topk_idx_TK", 2)
-    for name, v in (("num_experts", num_experts), ("num_chunks", num_chunks)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    topk_idx_TK = _index("topk_idx_TK", topk_idx_TK, 2)
+    check_int("num_experts", num_experts, 1)
+    check_int("num_chunks", num_chunks, 1)
     dest_row_TK, src_slot_S, counts_CE, num_invalid = _ext().make_layout(topk_idx_TK, num_experts, num_chunks)
     return dest_row_TK, src_slot_S, counts_CE, num_invalid

@@ -5,8 +5,8 @@ Semantics are those of ``reference.py`` (the oracle): permute is bit-exact; unpe
 k = 0..K-1 order in float32 (float64 for float64 rows) and casts once at the end.
 
 Layers (shared/STYLE.md): ``_*_kernel`` are pure ``@triton.jit`` kernels; ``permute_rows``,
-``unpermute_rows`` and ``unpermute_weight_grad`` are launchers (validate, allocate, build the grid);
-the autograd layer lives in ``moe_comm.ops``.
+``unpermute_rows`` and ``unpermute_weight_grad`` are launchers (validate with ``moe_comm._checks``,
+allocate, build the grid); the autograd layer lives in ``moe_comm.ops``.
 
 Kernels run on CUDA tensors, and on CPU tensors only when TRITON_INTERPRET=1 was set before triton was
 imported (this module decorates its kernels at import time, so the flag must be set before importing it).
@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from moe_comm._checks import check_out, check_same_device, check_tensor
 from moe_comm.kernels.reference import acc_dtype
 
 try:  # optional dependency: the module must import without triton (available() -> False)
@@ -162,25 +163,9 @@ def _tl_acc(dtype: torch.dtype):
     return tl.float64 if acc_dtype(dtype) == torch.float64 else tl.float32
 
 
-def _check_tensor(name: str, t, ndim: int) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
-
-
-def _check_dtype(name: str, t: torch.Tensor, allowed) -> None:
-    if t.dtype not in allowed:
-        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
-        raise TypeError(f"{name} must have dtype in ({names}), got {t.dtype}")
-
-
-def _check_device(ref_name: str, ref: torch.Tensor, **others) -> None:
-    for name, t in others.items():
-        if t is not None and t.device != ref.device:
-            raise ValueError(f"{name} must be on {ref_name}'s device {ref.device}, got {t.device}")
-    if ref.device.type != "cuda" and not _interpreting():
-        raise ValueError(f"{ref_name} is on {ref.device}: the Triton kernels need CUDA tensors, or "
+def _check_runs_here(name: str, t: torch.Tensor) -> None:
+    if t.device.type != "cuda" and not _interpreting():
+        raise ValueError(f"{name} is on {t.device}: the Triton kernels need CUDA tensors, or "
                          "TRITON_INTERPRET=1 set before triton (and this module) is imported for CPU tensors")
 
 
@@ -197,16 +182,6 @@ def _require_triton() -> None:
 def _rows_last_dense(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when its columns are dense (any row stride is passed to the kernel), else a copy."""
     return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _check_out(out, shape, dtype, ref_name: str, ref: torch.Tensor) -> None:
-    _check_tensor("out", out, len(shape))
-    if tuple(out.shape) != tuple(shape):
-        raise ValueError(f"out must have shape {tuple(shape)}, got {tuple(out.shape)}")
-    if out.dtype != dtype:
-        raise TypeError(f"out must have {ref_name}'s dtype {dtype}, got {out.dtype}")
-    if out.device != ref.device:
-        raise ValueError(f"out must be on {ref_name}'s device {ref.device}, got {out.device}")
 
 
 def _staged(out: Optional[torch.Tensor], shape, ref: torch.Tensor, launch) -> torch.Tensor:
@@ -237,22 +212,20 @@ def permute_rows(x_TH: torch.Tensor, token_N: torch.Tensor, scale_N: Optional[to
         -> [[2, 2], [1, 1], [2, 2]]; with scale_N = [0.5, 1, 2] -> [[1, 1], [1, 1], [4, 4]]
     """
     _require_triton()
-    _check_tensor("x_TH", x_TH, 2)
-    _check_tensor("token_N", token_N, 1)
-    _check_dtype("x_TH", x_TH, _FLOAT_DTYPES + (() if scale_N is not None else _INT_DTYPES))
-    _check_dtype("token_N", token_N, (torch.int64,))
-    if scale_N is not None:
-        _check_tensor("scale_N", scale_N, 1)
-        _check_dtype("scale_N", scale_N, _WEIGHT_DTYPES)
-        if scale_N.shape[0] != token_N.shape[0]:
-            raise ValueError(f"scale_N must have token_N's length {token_N.shape[0]}, got {scale_N.shape[0]}")
-    _check_device("x_TH", x_TH, token_N=token_N, scale_N=scale_N)
-    T, H = x_TH.shape
+    if scale_N is None:
+        check_tensor("x_TH", x_TH, dim=2, dtypes=_FLOAT_DTYPES + _INT_DTYPES)
+    else:
+        check_tensor("x_TH (scaled by scale_N)", x_TH, dim=2, dtypes=_FLOAT_DTYPES)
+    check_tensor("token_N", token_N, dim=1, dtypes=(torch.int64,))
     N = token_N.shape[0]
+    if scale_N is not None:
+        check_tensor("scale_N", scale_N, shape=(N,), shape_from="token_N's length", dtypes=_WEIGHT_DTYPES)
+    check_same_device("x_TH", x_TH, token_N=token_N, scale_N=scale_N)
+    _check_runs_here("x_TH", x_TH)
+    T, H = x_TH.shape
     if T == 0 and N > 0:
         raise ValueError(f"token_N has {N} rows but x_TH has no tokens (T=0): every index is out of range")
-    if out is not None:
-        _check_out(out, (N, H), x_TH.dtype, "x_TH", x_TH)
+    check_out("out", out, (N, H), x_TH.dtype, x_TH.device, like="x_TH", contiguous=False)
     def launch(dst):
         if N > 0 and H > 0:
             _launch_permute(_rows_last_dense(x_TH), token_N.contiguous(),
@@ -275,20 +248,15 @@ def unpermute_rows(y_NH: torch.Tensor, row_TK: torch.Tensor, weight_TK: Optional
         -> [[.5*3 + 1, ...], [2*2, ...]] = [[2.5, 2.5], [4, 4]]
     """
     _require_triton()
-    _check_tensor("y_NH", y_NH, 2)
-    _check_tensor("row_TK", row_TK, 2)
-    _check_dtype("y_NH", y_NH, _FLOAT_DTYPES)
-    _check_dtype("row_TK", row_TK, (torch.int64,))
+    check_tensor("y_NH", y_NH, dim=2, dtypes=_FLOAT_DTYPES)
+    check_tensor("row_TK", row_TK, dim=2, dtypes=(torch.int64,))
     if weight_TK is not None:
-        _check_tensor("weight_TK", weight_TK, 2)
-        _check_dtype("weight_TK", weight_TK, _WEIGHT_DTYPES)
-        if weight_TK.shape != row_TK.shape:
-            raise ValueError(f"weight_TK must have row_TK's shape {tuple(row_TK.shape)}, got {tuple(weight_TK.shape)}")
-    _check_device("y_NH", y_NH, row_TK=row_TK, weight_TK=weight_TK)
+        check_tensor("weight_TK", weight_TK, shape=row_TK.shape, shape_from="row_TK's shape", dtypes=_WEIGHT_DTYPES)
+    check_same_device("y_NH", y_NH, row_TK=row_TK, weight_TK=weight_TK)
+    _check_runs_here("y_NH", y_NH)
     N, H = y_NH.shape
     T, K = row_TK.shape
-    if out is not None:
-        _check_out(out, (T, H), y_NH.dtype, "y_NH", y_NH)
+    check_out("out", out, (T, H), y_NH.dtype, y_NH.device, like="y_NH", contiguous=False)
     if T == 0 or H == 0:
         return out if out is not None else torch.empty(T, H, dtype=y_NH.dtype, device=y_NH.device)
     if N == 0 or K == 0:  # nothing routed: every slot must be dropped
@@ -312,17 +280,13 @@ def unpermute_weight_grad(grad_TH: torch.Tensor, y_NH: torch.Tensor, row_TK: tor
         -> [[1*5 + 2*6, 0]] = [[17, 0]]
     """
     _require_triton()
-    _check_tensor("grad_TH", grad_TH, 2)
-    _check_tensor("y_NH", y_NH, 2)
-    _check_tensor("row_TK", row_TK, 2)
-    _check_dtype("grad_TH", grad_TH, _FLOAT_DTYPES)
-    _check_dtype("y_NH", y_NH, _FLOAT_DTYPES)
-    _check_dtype("row_TK", row_TK, (torch.int64,))
-    _check_device("y_NH", y_NH, grad_TH=grad_TH, row_TK=row_TK)
+    check_tensor("y_NH", y_NH, dim=2, dtypes=_FLOAT_DTYPES)
+    check_tensor("row_TK", row_TK, dim=2, dtypes=(torch.int64,))
     N, H = y_NH.shape
     T, K = row_TK.shape
-    if tuple(grad_TH.shape) != (T, H):
-        raise ValueError(f"grad_TH must have shape (T, H) = {(T, H)} from row_TK and y_NH, got {tuple(grad_TH.shape)}")
+    check_tensor("grad_TH", grad_TH, shape=(T, H), shape_from="[T, H] from row_TK and y_NH", dtypes=_FLOAT_DTYPES)
+    check_same_device("y_NH", y_NH, grad_TH=grad_TH, row_TK=row_TK)
+    _check_runs_here("y_NH", y_NH)
     acc = acc_dtype(y_NH.dtype)
     if T == 0 or K == 0:
         return torch.empty(T, K, dtype=acc, device=y_NH.device)

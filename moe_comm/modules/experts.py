@@ -6,13 +6,17 @@ y_e(x) = (silu(x @ w1[e].T) * (x @ w3[e].T)) @ w2[e].T
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_comm._checks import check_int, check_int_list
+
 __all__ = ["GroupedExperts", "SwiGLU", "swiglu", "PlacedExperts"]
+
+_WEIGHTS = ("w1", "w3", "w2")  # the per-expert weights, in state_dict order
 
 
 def swiglu(x_RH: torch.Tensor, w1_FH: torch.Tensor, w3_FH: torch.Tensor, w2_HF: torch.Tensor) -> torch.Tensor:
@@ -102,6 +106,9 @@ class GroupedExperts(nn.Module):
         hidden_size, ffn_hidden_size: H, F.
         first_expert: global id of local expert 0 (rank * e); state_dict keys use global ids,
             ``w1.{g}``, ``w3.{g}``, ``w2.{g}``, so checkpoints move between EP sizes.
+        num_experts: E, experts over the whole EP group (MoELayer passes it): a checkpoint key whose id
+            is not in [0, E) is unknown (unexpected with ``strict``). None: unknown; only ids that are
+            not canonical decimals (``w1.0007``, ``w1.x``) are then rejected.
         seed: expert g is initialised from a generator seeded with ``seed + g``, so a layer built
             at any EP size with the same seed holds the same experts.
     Parameters: w1 [e, F, H], w3 [e, F, H], w2 [e, H, F].
@@ -110,10 +117,12 @@ class GroupedExperts(nn.Module):
     wants_host_counts = True  # the Dispatcher passes counts= (host list): the loop needs no sync
 
     def __init__(self, num_local_experts: int, hidden_size: int, ffn_hidden_size: int, *, first_expert: int = 0,
-                 seed: int = 0, device=None, dtype=None):
+                 seed: int = 0, device=None, dtype=None, num_experts: Optional[int] = None):
         super().__init__()
         e, H, F_ = num_local_experts, hidden_size, ffn_hidden_size
-        self.first_expert = first_expert
+        self.first_expert = check_int("GroupedExperts: first_expert", first_expert, 0)
+        self.num_experts = None if num_experts is None else \
+            check_int("GroupedExperts: num_experts", num_experts, first_expert + e)
         self.w1 = nn.Parameter(torch.empty(e, F_, H, device=device, dtype=dtype))
         self.w3 = nn.Parameter(torch.empty(e, F_, H, device=device, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(e, H, F_, device=device, dtype=dtype))
@@ -150,35 +159,72 @@ class GroupedExperts(nn.Module):
 
     # state_dict keyed by global expert id ------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        for name in ("w1", "w3", "w2"):
+        for name in _WEIGHTS:
             p = getattr(self, name)
             for i, g in enumerate(self.expert_ids):
                 t = p[i]
                 destination[f"{prefix}{name}.{g}"] = t if keep_vars else t.detach()
 
+    def _expert_key(self, rest: str) -> Optional[Tuple[str, int]]:
+        """``"w1.3"`` -> ("w1", 3); None for anything else: another name, a non-canonical id ("0007",
+        "+3", "x"), or an id outside [0, num_experts) when num_experts is known."""
+        name, dot, g = rest.partition(".")
+        if name not in _WEIGHTS or not dot or not (g.isascii() and g.isdigit()) or str(int(g)) != g:
+            return None
+        if self.num_experts is not None and int(g) >= self.num_experts:
+            return None
+        return name, int(g)
+
+    def check_state_dict(self, state_dict, prefix: str = "", *, all_experts: bool = False):
+        """Validate the expert keys of ``state_dict`` under ``prefix`` without writing anything.
+
+        Args:
+            state_dict: mapping of keys to tensors (a local or a full, expert-keyed checkpoint).
+            prefix: this module's key prefix (e.g. "layers.0.moe.experts.").
+            all_experts: check every expert 0..E-1 (a full checkpoint: every rank finds a problem of any
+                expert, not only its owner), else this rank's experts only. Needs ``num_experts``.
+        Returns: (missing keys, unexpected keys, size errors), lists of str. Unexpected keys are keys under
+        ``prefix`` that name no expert weight: another name, a malformed id (``w1.0007``) or an unknown one.
+        """
+        ids = self.expert_ids
+        if all_experts and self.num_experts is not None:
+            ids = range(self.num_experts)
+        missing, errors = [], []
+        for name in _WEIGHTS:
+            shape = tuple(getattr(self, name).shape[1:])
+            for g in sorted(set(ids)):
+                key = f"{prefix}{name}.{g}"
+                if key not in state_dict:
+                    missing.append(key)
+                    continue
+                src = state_dict[key]
+                if not isinstance(src, torch.Tensor):
+                    errors.append(f"{key} must be a tensor, got {type(src).__name__}")
+                elif tuple(src.shape) != shape:
+                    errors.append(f"size mismatch for {key}: copying a param with shape {tuple(src.shape)}, "
+                                  f"the expert has shape {shape}")
+        unexpected = [k for k in state_dict if k.startswith(prefix) and self._expert_key(k[len(prefix):]) is None]
+        return missing, unexpected, errors
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
+        # Every key of this module is checked before the first copy: a bad expert leaves all of them
+        # untouched. (Across ranks and modules, moe_comm.modules.checkpoint.load_full_state_dict is the
+        # all-or-nothing, collective load.)
+        missing, unexpected, errors = self.check_state_dict(state_dict, prefix)
+        missing_keys.extend(missing)
+        error_msgs.extend(errors)
+        if strict:
+            unexpected_keys.extend(unexpected)
+        if errors or (strict and (missing or unexpected)):
+            return
         with torch.no_grad():
-            for name in ("w1", "w3", "w2"):
+            for name in _WEIGHTS:
                 p = getattr(self, name)
                 for i, g in enumerate(self.expert_ids):
                     key = f"{prefix}{name}.{g}"
-                    if key not in state_dict:
-                        missing_keys.append(key)
-                        continue
-                    src = state_dict[key]
-                    if tuple(src.shape) != tuple(p[i].shape):
-                        error_msgs.append(f"size mismatch for {key}: copying a param with shape "
-                                          f"{tuple(src.shape)}, the expert has shape {tuple(p[i].shape)}")
-                        continue
-                    p[i].copy_(src)
-        # Keys of experts held by other ranks (name.<g>) are expected in a full checkpoint.
-        if strict:
-            for key in state_dict:
-                if key.startswith(prefix):
-                    name, _, g = key[len(prefix):].partition(".")
-                    if name not in ("w1", "w3", "w2") or not g.isdigit():
-                        unexpected_keys.append(key)
+                    if key in state_dict:
+                        p[i].copy_(state_dict[key])
 
 
 class SwiGLU(nn.Module):
@@ -204,20 +250,23 @@ class PlacedExperts(GroupedExperts):
             data (the same Parameter objects as before the placement, so optimizers keep them).
         logical_ids: S logical expert ids, one per local slot (distinct on one rank with the planner).
         first_slot: global physical id of local slot 0 (rank * S).
+        num_experts: E logical experts (checkpoint keys with other ids are unknown); None: unknown.
     ``expert_ids`` returns the LOGICAL ids of the local slots, so ``state_dict`` is keyed ``w1.<g>`` by
     logical id (a replica writes the same key as its original: ``full_state_dict`` keeps one copy per
     logical expert) and ``load_state_dict`` of a logical checkpoint fills every replica.
     """
 
     def __init__(self, w1: nn.Parameter, w3: nn.Parameter, w2: nn.Parameter, logical_ids: Sequence[int],
-                 first_slot: int):
+                 first_slot: int, num_experts: Optional[int] = None):
         nn.Module.__init__(self)
         if not (w1.shape[0] == w3.shape[0] == w2.shape[0] == len(logical_ids)):
             raise ValueError(f"PlacedExperts: w1/w3/w2 must have len(logical_ids) = {len(logical_ids)} slots, "
                              f"got {w1.shape[0]}, {w3.shape[0]}, {w2.shape[0]}")
         self.w1, self.w3, self.w2 = w1, w3, w2
         self.first_expert = first_slot  # physical id of local slot 0 (GroupedExperts' attribute)
-        self._logical_ids = [int(g) for g in logical_ids]
+        self._logical_ids = check_int_list("PlacedExperts: logical_ids", logical_ids, 0)
+        self.num_experts = None if num_experts is None else \
+            check_int("PlacedExperts: num_experts", num_experts, max(self._logical_ids, default=-1) + 1)
 
     @property
     def expert_ids(self) -> List[int]:

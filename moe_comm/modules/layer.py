@@ -11,43 +11,67 @@ device ops and one async all_reduce, no host sync].
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import List, Optional, Union
+import inspect
+import sys
+import weakref
+from contextlib import nullcontext as _nullcontext
+from typing import Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
+from moe_comm._checks import check_float
+from moe_comm.comm.agree import agree
 from moe_comm.comm.collectives import group_rank, group_size, resolve_group
 from moe_comm.config import MoEConfig
 from moe_comm.dispatch.dispatcher import Dispatcher
 from moe_comm.modules.experts import GroupedExperts, PlacedExperts, SwiGLU
 from moe_comm.monitor.load import GlobalCounts, LoadMonitor, reduce_counts
-from moe_comm.placement.apply import (check_placement, move_slots, optimizer_slot_state, physical_topk,
-                        replica_tables, sync_replica_grads)
+from moe_comm.placement.apply import physical_topk, relayout_slots, replica_tables, sync_replica_grads
 from moe_comm.placement.planner import Placement, plan_placement
 from moe_comm.routing import Router, count_tokens
 
 __all__ = ["MoELayer"]
 
+# torch.utils.checkpoint's frames, to tell how a forward runs (see ``_checkpoint_mode``).
+_REENTRANT_FORWARD = getattr(getattr(torch_checkpoint, "CheckpointFunction", None), "forward", None)
+_REENTRANT_CODE = getattr(_REENTRANT_FORWARD, "__code__", None)
+_CHECKPOINT_CODE = getattr(inspect.unwrap(torch_checkpoint.checkpoint), "__code__", None)
 
-def _check_same_config(cfg: MoEConfig, dtype: torch.dtype, group, **layer_options) -> None:
-    """One all_gather_object of the config (and the layer options that decide which collectives a
-    forward issues) across the EP group; every rank raises on a mismatch, naming the fields and which
-    ranks hold which value (a mismatch would otherwise hang or corrupt)."""
-    mine = dict(dataclasses.asdict(cfg), dtype=str(dtype), **layer_options)
-    every = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
-    diffs = []
-    for name in mine:
-        values = [fp[name] for fp in every]
-        if len(set(map(repr, values))) > 1:
-            by_value = {}
-            for r, v in enumerate(values):
-                by_value.setdefault(repr(v), []).append(r)
-            diffs.append(f"{name}: " + ", ".join(f"{v} on ranks {rs}" for v, rs in by_value.items()))
-    if diffs:
-        raise ValueError("MoELayer: the MoEConfig differs across the EP group; " + "; ".join(diffs))
+
+def _checkpoint_mode() -> Optional[str]:
+    """"reentrant" inside the first (no-grad) forward of ``torch.utils.checkpoint.checkpoint(...,
+    use_reentrant=True)``, "non_reentrant" inside the first forward of ``use_reentrant=False``, else None.
+    Found by walking the Python stack for torch's checkpoint frames (innermost wins); the recompute runs
+    from the autograd engine, outside them (``_in_backward`` tells it)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _REENTRANT_CODE:
+            return "reentrant"
+        if frame.f_code is _CHECKPOINT_CODE:
+            return "non_reentrant"
+        frame = frame.f_back
+    return None
+
+
+def _forget_bias(table: dict, key: tuple, snapshot: torch.Tensor) -> None:
+    """Finalizer of a checkpointed input: its recompute is over (or will never come)."""
+    if table.get(key) is snapshot:
+        del table[key]
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass on this thread: a forward called then is activation
+    checkpointing's recompute."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _input_key(x: torch.Tensor) -> tuple:
+    """Identifies x's data across a checkpoint and its recompute (reentrant recomputes from a detached
+    alias of x: the same storage, offset, shape and strides)."""
+    return (x.device, x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), tuple(x.stride()))
 
 
 def _make_monitor(monitor, num_experts: int, num_ranks: int) -> Optional[LoadMonitor]:
@@ -66,8 +90,10 @@ def _make_monitor(monitor, num_experts: int, num_ranks: int) -> Optional[LoadMon
                     f"got {type(monitor).__name__}")
 
 
-def _finish_bias_update_hook(module: "MoELayer", prefix: str, keep_vars: bool) -> None:
-    module.finish_bias_update()  # a saved bias includes the last training forward's step
+def _finish_bias_update_hook(module: "MoELayer", *args, **kwargs) -> None:
+    # Before state_dict: a saved bias includes the last training forward's step. Before load_state_dict:
+    # the step is applied (its all_reduce consumed) before the loaded bias replaces it, not after.
+    module.finish_bias_update()
 
 
 class MoELayer(nn.Module):
@@ -99,16 +125,26 @@ class MoELayer(nn.Module):
             monitor is off). The update is applied at the start of the next forward (or by
             ``finish_bias_update()``, which ``state_dict()`` calls): no host sync, identical on every rank.
             It counts forwards, not optimizer steps: with gradient accumulation over n micro-batches,
-            divide the rate by n. Under activation checkpointing, recomputation is another forward.
+            divide the rate by n.
         strict, timeout: passed to the Dispatcher: reject NaN/Inf inputs on every rank; seconds before
-            a stuck all-to-all raises CollectiveError naming the phase and chunk.
+            a stuck all-to-all (and the monitor's / bias update's all_reduce) raises CollectiveError
+            naming the phase.
+
+    Activation checkpointing (``torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=...)``): the
+    recompute inside backward neither records load into the monitor, nor applies or schedules a bias
+    step, nor replaces ``aux_loss``; it routes with the bias the original forward used (also with
+    gradient accumulation). With ``use_reentrant=True`` the first forward runs under no_grad: the layer
+    then computes the router alone with grad enabled, so ``aux_loss`` keeps its gradient (it keeps the
+    router's [T, E] scores alive until backward, as an unchecked router would).
 
     The router weight is replicated: it is broadcast from EP rank 0 at construction, and its
     gradient holds the local tokens' contribution only; all-reduce it over the data-parallel
     ranks yourself (as DDP does). ``layer.aux_loss`` is the last forward's router loss (a scalar
     that backpropagates); add it to your loss. Every EP rank must call forward and backward
     together (they are collective), even a rank with zero tokens, and must build the layer with the
-    same config, monitor on/off and bias_update_rate (checked at construction).
+    same config, dtype, monitor on/off and bias_update_rate. Construction is collective: every rank checks
+    its own arguments, then one ``agree`` compares them by value; an error on any rank raises on every
+    rank, naming the field and the ranks (never a rank left waiting in a collective).
 
     Rebalancing: ``apply_placement(plan, optimizer)`` re-lays the experts as ``plan`` says (E logical
     experts on P = E + R physical slots, replicas of the hottest); then call ``sync_replica_grads()``
@@ -120,23 +156,34 @@ class MoELayer(nn.Module):
                  monitor: Union[bool, dict, LoadMonitor, None] = True, bias_update_rate: float = 0.0,
                  strict: bool = False, timeout: Optional[float] = None):
         super().__init__()
-        if not isinstance(cfg, MoEConfig):
-            raise TypeError(f"cfg must be a MoEConfig, got {type(cfg).__name__}")
-        if isinstance(bias_update_rate, bool) or not isinstance(bias_update_rate, (int, float)) \
-                or not math.isfinite(bias_update_rate) or bias_update_rate < 0:
-            raise ValueError(f"bias_update_rate must be a finite float >= 0, got {bias_update_rate!r}")
-        self.cfg = cfg
-        self.ep_group = resolve_group(ep_group)
+        self.ep_group = resolve_group(ep_group)  # no group, no collective: raises here alone
         W, rank = group_size(self.ep_group), group_rank(self.ep_group)
-        if cfg.num_experts % W:
-            raise ValueError(f"MoEConfig.num_experts ({cfg.num_experts}) must be divisible by the EP world "
-                             f"size, got world size {W}")
+        local_error, settings = None, {}
+        try:  # everything local first; a rank that fails still joins the agreement: every rank raises
+            if not isinstance(cfg, MoEConfig):
+                raise TypeError(f"MoELayer: cfg must be a MoEConfig, got {type(cfg).__name__}")
+            check_float("MoELayer: bias_update_rate", bias_update_rate, 0.0)
+            if cfg.num_experts % W:
+                raise ValueError(f"MoEConfig.num_experts ({cfg.num_experts}) must be divisible by the EP world "
+                                 f"size, got world size {W}")
+            self._build(cfg, W, rank, seed, device, dtype, monitor, bias_update_rate)
+            settings = dict(dataclasses.asdict(cfg), dtype=str(self.experts.w1.dtype), monitor=self.monitor is not None,
+                            bias_update_rate=self.bias_update_rate)
+        except (TypeError, ValueError, RuntimeError) as err:
+            local_error = err
+        agree(self.ep_group, settings, what="MoELayer", local_error=local_error)
+        # After the agreement, so that every rank gets here: the Dispatcher's own agreement is collective.
+        self.dispatcher = Dispatcher(cfg.num_experts, self.ep_group, cfg.num_chunks, backend=backend,
+                                     strict=strict, timeout=timeout)
+        if W > 1:
+            self._broadcast_replicated()
+
+    def _build(self, cfg: MoEConfig, W: int, rank: int, seed, device, dtype, monitor, bias_update_rate) -> None:
+        """The local part of construction (no collective): modules, monitor, placement and bias state."""
+        self.cfg = cfg
         e = cfg.num_experts // W
         self.bias_update_rate = float(bias_update_rate)
         self.monitor: Optional[LoadMonitor] = _make_monitor(monitor, cfg.num_experts, W)
-        if W > 1:
-            _check_same_config(cfg, dtype or torch.get_default_dtype(), self.ep_group,
-                               monitor=self.monitor is not None, bias_update_rate=self.bias_update_rate)
         if seed is None:
             seed = int(torch.randint(0, 2 ** 62, ()).item())  # host sync: none, a CPU generator draw
         self.router = Router(cfg, device=device, dtype=dtype)
@@ -144,13 +191,11 @@ class MoELayer(nn.Module):
             g = torch.Generator().manual_seed(seed)
             self.router.weight.copy_(torch.randn(self.router.weight.shape, generator=g) * cfg.hidden_size ** -0.5)
         self.experts = GroupedExperts(e, cfg.hidden_size, cfg.ffn_hidden_size, first_expert=rank * e,
-                                      seed=seed + 1, device=device, dtype=dtype)
+                                      num_experts=cfg.num_experts, seed=seed + 1, device=device, dtype=dtype)
         self.shared_experts = None
         if cfg.num_shared_experts:
             self.shared_experts = SwiGLU(cfg.hidden_size, cfg.shared_ffn_size, seed=seed - 1,
                                          device=device, dtype=dtype)
-        self.dispatcher = Dispatcher(cfg.num_experts, self.ep_group, cfg.num_chunks, backend=backend,
-                                     strict=strict, timeout=timeout)
         self.aux_loss: Optional[torch.Tensor] = None
         # Placement state (apply_placement): host phys_to_logical, and device tables for the forward.
         self._placement: Optional[Placement] = None
@@ -159,9 +204,11 @@ class MoELayer(nn.Module):
         self.register_buffer("_replica_slots_EC", None, persistent=False)
         self.register_buffer("_replica_count_E", None, persistent=False)
         self._pending_load: Optional[GlobalCounts] = None  # global load of the last training forward
+        # The bias each checkpointed training forward routed with, by input, for its recompute (with
+        # bias_update_rate > 0); an entry lives as long as its input tensor.
+        self._bias_for_recompute: Dict[tuple, torch.Tensor] = {}
         self.register_state_dict_pre_hook(_finish_bias_update_hook)
-        if W > 1:
-            self._broadcast_replicated()
+        self.register_load_state_dict_pre_hook(_finish_bias_update_hook)
 
     @torch.no_grad()
     def _broadcast_replicated(self) -> None:
@@ -229,10 +276,11 @@ class MoELayer(nn.Module):
             return
         counts_E, dropped = count_tokens(routing.topk_idx_TK, self.cfg.num_experts)
         group = self.ep_group if self.world_size > 1 else None
+        timeout = self.dispatcher.timeout
         if self.monitor is not None:
-            handle = self.monitor.observe(counts_E, dropped, routing.scores_TE, group=group)
+            handle = self.monitor.observe(counts_E, dropped, routing.scores_TE, group=group, timeout=timeout)
         else:
-            handle = reduce_counts(counts_E, group)
+            handle = reduce_counts(counts_E, group, timeout=timeout, phase="bias update (global expert load)")
         if update_bias:
             self._pending_load = handle
 
@@ -265,57 +313,23 @@ class MoELayer(nn.Module):
         hook on purpose: the pipeline accumulates expert gradients chunk by chunk, and with gradient
         accumulation a per-backward sum would count earlier micro-batches twice.
 
-        Cost: one all_gather_object (placement and state check), one all_to_all of the moved slots.
+        Cost: one all_gather_object (``agree``: every rank checks the placement and its optimizer state, then
+        all raise or none, nothing moved), one all_to_all of the moved slots (``placement.relayout_slots``).
         Applying a new placement to a placed layer moves from the current one.
         """
         E, W, rank = self.cfg.num_experts, self.world_size, group_rank(self.ep_group)
         self.finish_bias_update()
-        cur_p2l = self._phys_to_logical or list(range(E))
         params = [self.experts.w1, self.experts.w3, self.experts.w2]
-        keys, states, signature, new_p2l, local_error = [], [], [], None, None
-        try:  # a rank that rejects its input still joins the check below, so every rank raises
-            new_p2l = check_placement(placement, E, W)
-            if optimizer is not None:
-                if not isinstance(optimizer, torch.optim.Optimizer):
-                    raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got "
-                                    f"{type(optimizer).__name__}")
-                keys, states, signature = optimizer_slot_state(optimizer, params, params[0].shape[0])
-        except (TypeError, ValueError) as err:
-            local_error = err
-        if W > 1:  # every rank must agree before anything moves; a mismatch raises everywhere
-            every = [None] * W
-            dist.all_gather_object(every, (new_p2l, signature, local_error is not None), group=self.ep_group)
-            failed = [r for r in range(W) if every[r][2]]
-            if local_error is not None:
-                raise type(local_error)(f"{local_error} [EP rank {rank}; rank(s) {failed} rejected the call, "
-                                        "nothing moved]") from local_error
-            if failed:
-                raise ValueError(f"apply_placement: EP rank(s) {failed} rejected their arguments (their error "
-                                 "says why); every rank raised, nothing moved")
-            bad = [r for r in range(W) if every[r][0] != new_p2l]
-            if bad:
-                raise ValueError(f"apply_placement: the placement differs across the EP group (ranks {bad} "
-                                 f"differ from rank {rank}); plan it from the same load history everywhere")
-            bad = [r for r in range(W) if every[r][1] != signature]
-            if bad:
-                raise ValueError(f"apply_placement: the optimizer state of the experts differs across the EP "
-                                 f"group (ranks {bad} differ from rank {rank}: {every[bad[0]][1]} vs {signature})")
-        elif local_error is not None:
-            raise local_error
-        moved = move_slots([p.data for p in params] + states, cur_p2l, new_p2l, self.ep_group)
-        for p, data in zip(params, moved[:3]):
-            p.data = data
-            p.grad = None
-        for (pi, key), data in zip(keys, moved[3:]):
-            optimizer.state[params[pi]][key] = data
+        new_p2l = relayout_slots(params, placement, self._phys_to_logical or list(range(E)), E,
+                                 self.ep_group if W > 1 else None, optimizer)
         S = len(new_p2l) // W
-        self.experts = PlacedExperts(*params, logical_ids=new_p2l[rank * S:(rank + 1) * S], first_slot=rank * S)
+        self.experts = PlacedExperts(*params, logical_ids=new_p2l[rank * S:(rank + 1) * S], first_slot=rank * S,
+                                     num_experts=E)
         old = self.dispatcher
         self.dispatcher = Dispatcher(len(new_p2l), self.ep_group, old.num_chunks, backend=old.backend,
                                      strict=old.strict, timeout=old.timeout)
         self.dispatcher.timeline = old.timeline
-        device = params[0].device
-        self._replica_slots_EC, self._replica_count_E, self._max_replicas = replica_tables(new_p2l, E, device)
+        self._replica_slots_EC, self._replica_count_E, self._max_replicas = replica_tables(new_p2l, E, params[0].device)
         self._placement, self._phys_to_logical = placement, new_p2l
         if self.monitor is not None:
             self.monitor.set_placement(placement)
@@ -342,7 +356,8 @@ class MoELayer(nn.Module):
             return 0
         params = [self.experts.w1, self.experts.w3, self.experts.w2]
         group = self.ep_group if self.world_size > 1 else None
-        return sync_replica_grads(params, self.experts.expert_ids, self._phys_to_logical, group)
+        return sync_replica_grads(params, self.experts.expert_ids, self._phys_to_logical, group,
+                                  timeout=self.dispatcher.timeout)
 
     # -------------------------------------------------------------------------------------- forward
     def _check_input(self, x) -> Optional[Exception]:
@@ -355,22 +370,66 @@ class MoELayer(nn.Module):
             return TypeError(f"x must have the experts' dtype {self.experts.w1.dtype}, got {x.dtype}")
         if x.device != self.experts.w1.device:
             return ValueError(f"x must be on the layer's device {self.experts.w1.device}, got {x.device}")
+        if x.is_inference() and torch.is_grad_enabled() and not torch.is_inference_mode_enabled() \
+                and self.router.weight.requires_grad:
+            return RuntimeError("x is an inference tensor (made under torch.inference_mode()) but grad mode is on "
+                                "and the layer's parameters require grad, so autograd cannot save it: call the "
+                                "layer under torch.inference_mode() / torch.no_grad(), or pass a tensor made "
+                                "outside inference mode (x.clone() there)")
         return None
 
+    def _route(self, x: torch.Tensor, recompute: bool):
+        """Router (+ logical -> physical slots). Returns (routing, route_TK, x_TH).
+
+        recompute: activation checkpointing's recompute inside backward: route with the bias of the
+        original forward. Otherwise, under ``torch.utils.checkpoint``, remember that bias for the recompute
+        and, with ``use_reentrant=True`` (a no-grad first forward), run the router with grad enabled so that
+        the aux loss keeps its gradient."""
+        rebias = self.bias_update_rate > 0 and self.training
+        has_aux = self.cfg.aux_loss_coeff > 0 or self.cfg.z_loss_coeff > 0
+        mode = _checkpoint_mode() if self.training and not recompute and (rebias or has_aux) else None
+        bias = None  # None: the router's own expert_bias
+        if recompute and rebias:
+            # The bias the original forward routed with (a recompute may run more than once: not popped).
+            # Not found (another checkpoint implementation): the current bias.
+            bias = self._bias_for_recompute.get(_input_key(x))
+        elif mode is not None and rebias:
+            key, snapshot = _input_key(x), self.router.expert_bias.detach().clone()
+            self._bias_for_recompute[key] = snapshot
+            weakref.finalize(x, _forget_bias, self._bias_for_recompute, key, snapshot)  # lives as long as x
+        own_bias = self.router.expert_bias
+        try:
+            if bias is not None:
+                self.router.expert_bias = bias
+            with torch.enable_grad() if mode == "reentrant" and has_aux else _nullcontext():
+                x_TH = x.reshape(-1, self.cfg.hidden_size).contiguous()  # one layout for every view: the same bits
+                routing = self.router(x_TH)
+        finally:
+            self.router.expert_bias = own_bias
+        route_TK = routing.topk_idx_TK
+        if self._phys_to_logical is not None:  # logical expert -> one of its physical replicas
+            route_TK = physical_topk(route_TK, self._replica_slots_EC, self._replica_count_E,
+                                     self._max_replicas, group_rank(self.ep_group))
+        return routing, route_TK, x_TH
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., H] -> [..., H], same dtype. Sets ``self.aux_loss``; feeds ``self.monitor``."""
+        """x: [..., H] -> [..., H], same dtype. Sets ``self.aux_loss``; feeds ``self.monitor``.
+
+        Collective. Any error before rows move (bad x, the router raising on one rank) goes through the
+        Dispatcher's exchange: every rank raises, naming the rank, and the group stays usable."""
         error = self._check_input(x)
         if error is not None:  # every rank raises with it (through the counts exchange): no hang
             self.dispatcher.fail(error, device=self.experts.w1.device)
-        self.finish_bias_update()
-        x_TH = x.reshape(-1, self.cfg.hidden_size).contiguous()  # one layout for every view: the same bits as a contiguous x
-        with self.timeline.compute("router"):
-            routing = self.router(x_TH)
-            route_TK = routing.topk_idx_TK
-            if self._phys_to_logical is not None:  # logical expert -> one of its physical replicas
-                route_TK = physical_topk(route_TK, self._replica_slots_EC, self._replica_count_E,
-                                         self._max_replicas, group_rank(self.ep_group))
-        self.aux_loss = routing.aux_loss
+        recompute = _in_backward()  # activation checkpointing: this forward already ran once
+        if not recompute:
+            self.finish_bias_update()
+        try:
+            with self.timeline.compute("router"):
+                routing, route_TK, x_TH = self._route(x, recompute)
+        except Exception as err:  # noqa: BLE001 -- any router failure: every rank raises, naming this one
+            self.dispatcher.fail(err, device=self.experts.w1.device)
+        if not recompute:
+            self.aux_loss = routing.aux_loss
         if self.shared_experts is None:
             y_TH = self.dispatcher(x_TH, route_TK, routing.topk_weight_TK, self.experts)
         else:  # shared experts compute while the first dispatch is in flight
@@ -378,6 +437,7 @@ class MoELayer(nn.Module):
                                               side_fn=lambda: self.shared_experts(x_TH))
             y_TH = y_TH + shared_TH
         # After the dispatch: its counts exchange already made every rank raise on a bad input, so the
-        # monitor's collective is issued by all ranks or by none.
-        self._record_load(routing)
+        # monitor's collective is issued by all ranks or by none. A recompute counts nothing twice.
+        if not recompute:
+            self._record_load(routing)
         return y_TH.reshape(x.shape)

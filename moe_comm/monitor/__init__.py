@@ -1,4 +1,5 @@
-"""Expert load statistics: tokens per expert and rank, hot experts, summaries and plots."""
+"""Expert load statistics (``load``: counting on the device, summaries, hot experts) and their reports
+(``report``: strict JSON, plots)."""
 from moe_comm.monitor.load import GlobalCounts, HotExpert, LoadMonitor, reduce_counts
 
 __all__ = ["LoadMonitor", "HotExpert", "GlobalCounts", "reduce_counts"]

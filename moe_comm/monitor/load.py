@@ -1,4 +1,5 @@
-"""LoadMonitor: tokens per expert and per rank over steps, balance metrics, hot experts, plots.
+"""LoadMonitor: tokens per expert and per rank over steps, balance metrics, hot experts (its JSON file and
+plot are written by ``moe_comm.monitor.report``).
 
 Shapes legend: E experts (global), W EP world size (rank r owns experts r*E/W .. (r+1)*E/W - 1),
 T tokens, S window slots (the last ``window`` observed steps, a ring buffer).
@@ -27,7 +28,6 @@ consecutive steps at or below it (hysteresis: no flicker around the threshold).
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -36,6 +36,9 @@ from typing import Callable, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
+
+from moe_comm._checks import check_float, check_int, check_int_list
+from moe_comm.comm.collectives import wait_work
 
 __all__ = ["LoadMonitor", "HotExpert", "GlobalCounts", "reduce_counts"]
 
@@ -60,51 +63,49 @@ class GlobalCounts:
 
     ``wait()`` -> [E] float64 device tensor of global counts (integers, exact below 2**53). It orders the
     current stream after the collective (NCCL: no host block; gloo: the CPU waits for its worker thread)
-    and may be called any number of times. Returned by ``LoadMonitor.observe`` and ``reduce_counts``.
+    and may be called any number of times. A collective that fails, or does not finish within
+    ``timeout`` seconds (None: the process group's timeout), raises ``moe_comm.comm.CollectiveError``
+    naming ``phase`` and this rank. Returned by ``LoadMonitor.observe`` and ``reduce_counts``.
     """
 
-    def __init__(self, counts_E: torch.Tensor, work=None):
+    def __init__(self, counts_E: torch.Tensor, work=None, *, phase: str = "expert load",
+                 timeout: Optional[float] = None, rank: int = 0):
         self._counts_E, self._work = counts_E, work
+        self.phase, self.timeout, self.rank = phase, timeout, rank
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
-            self._work.wait()
-            self._work = None
+            work, self._work = self._work, None  # a failed wait raises once; the group is broken after it
+            wait_work(work, self.phase, timeout=self.timeout, rank=self.rank, what="all_reduce")
         return self._counts_E
 
 
-def reduce_counts(counts_E: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> GlobalCounts:
+def reduce_counts(counts_E: torch.Tensor, group: Optional[dist.ProcessGroup] = None, *,
+                  timeout: Optional[float] = None, phase: str = "expert load") -> GlobalCounts:
     """Start summing [E] integer counts over ``group`` (one async all_reduce; collective when the group
-    has more than one rank); no host sync. None or a 1-rank group: the counts themselves."""
+    has more than one rank); no host sync. None or a 1-rank group: the counts themselves.
+    ``timeout`` / ``phase``: for ``GlobalCounts.wait`` (seconds; the name a CollectiveError gives)."""
     buf_E = counts_E.detach().to(torch.float64)
     if group is None or dist.get_world_size(group) == 1:
         return GlobalCounts(buf_E)
     buf_E = buf_E.clone() if buf_E is counts_E else buf_E
-    return GlobalCounts(buf_E, dist.all_reduce(buf_E, group=group, async_op=True))
+    return GlobalCounts(buf_E, dist.all_reduce(buf_E, group=group, async_op=True), phase=phase, timeout=timeout,
+                        rank=dist.get_rank(group))
 
 
-def _check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"LoadMonitor: {name} must be an int >= {low}, got {value!r}")
-    return value
+# The device state (``_alloc``) is allocated whole at the first observe. Bound it so that a huge window
+# fails here, naming the bytes, instead of in the middle of a training step.
+_MAX_STATE_BYTES = 1 << 30
+
+
+def _state_bytes(num_experts: int):
+    """(bytes per window step, bytes independent of the window) of a monitor's device state:
+    per step counts int64 [E] + hot bool [E] + dropped int64 + entropy float64; fixed: 7 [E] vectors."""
+    return 9 * num_experts + 16, 8 * 7 * num_experts + 8
 
 
 def _finite_or_none(x: float) -> Optional[float]:
     return float(x) if math.isfinite(x) else None
-
-
-def _runs(mask_ES: torch.Tensor) -> List[tuple]:
-    """(row, start, length) of every run of True along dim 1 of a bool [E, S] mask."""
-    out = []
-    for g, row in enumerate(mask_ES.tolist()):  # host sync: read side
-        start = None
-        for i, v in enumerate(row + [False]):
-            if v and start is None:
-                start = i
-            elif not v and start is not None:
-                out.append((g, start, i - start))
-                start = None
-    return out
 
 
 class LoadMonitor:
@@ -133,25 +134,29 @@ class LoadMonitor:
                  hot_threshold: float = 2.0, hot_persistence: int = 5,
                  on_hot_change: Optional[HotChangeCallback] = None,
                  logger: logging.Logger = _LOGGER, *, sync_every: Optional[int] = None):
-        self.num_experts = _check_int("num_experts", num_experts, 1)
-        self.num_ranks = _check_int("num_ranks", num_ranks, 1)
+        self.num_experts = check_int("LoadMonitor: num_experts", num_experts, 1)
+        self.num_ranks = check_int("LoadMonitor: num_ranks", num_ranks, 1)
         if num_experts % num_ranks:
             raise ValueError(f"LoadMonitor: num_experts ({num_experts}) must be divisible by num_ranks, "
                              f"got {num_ranks}")
-        self.window = _check_int("window", window, 1)
-        if not (isinstance(ema_decay, (int, float)) and 0.0 <= ema_decay < 1.0):
-            raise ValueError(f"LoadMonitor: ema_decay must be in [0, 1), got {ema_decay!r}")
-        if not (isinstance(hot_threshold, (int, float)) and hot_threshold > 1.0):
-            raise ValueError(f"LoadMonitor: hot_threshold must be a number > 1 (x the mean load), got {hot_threshold!r}")
-        self.ema_decay = float(ema_decay)
-        self.hot_threshold = float(hot_threshold)
-        self.hot_persistence = _check_int("hot_persistence", hot_persistence, 1)
+        self.window = check_int("LoadMonitor: window", window, 1)
+        per_step, fixed = _state_bytes(num_experts)
+        if per_step * window + fixed > _MAX_STATE_BYTES:
+            raise ValueError(f"LoadMonitor: window={window} would need {per_step * window + fixed:,} bytes of "
+                             f"device state for {num_experts} experts ({per_step} bytes per step); the limit is "
+                             f"{_MAX_STATE_BYTES:,} bytes, i.e. window <= {(_MAX_STATE_BYTES - fixed) // per_step:,}")
+        self.ema_decay = check_float("LoadMonitor: ema_decay", ema_decay, 0.0, high=1.0)
+        if self.ema_decay == 1.0:
+            raise ValueError("LoadMonitor: ema_decay must be in [0, 1) (1 would never move the EMA), got 1.0")
+        self.hot_threshold = check_float("LoadMonitor: hot_threshold (x the mean load)", hot_threshold, 1.0,
+                                         low_open=True)
+        self.hot_persistence = check_int("LoadMonitor: hot_persistence", hot_persistence, 1)
         if on_hot_change is not None and not callable(on_hot_change):
             raise TypeError(f"LoadMonitor: on_hot_change must be callable, got {type(on_hot_change).__name__}")
         self.on_hot_change = on_hot_change
         self.logger = logger
         if sync_every is not None:
-            _check_int("sync_every", sync_every, 1)
+            check_int("LoadMonitor: sync_every", sync_every, 1)
         self.sync_every = sync_every
         self._rank_share_WE: Optional[torch.Tensor] = None  # set_placement: share of expert g's load on rank r
         self._ranks_of: Optional[List[List[int]]] = None
@@ -174,8 +179,8 @@ class LoadMonitor:
         if placement is None:
             self._rank_share_WE = self._ranks_of = self._phys_to_logical = None
             return
-        p2l = getattr(placement, "phys_to_logical", placement)
-        p2l = [int(g) for g in (p2l.tolist() if isinstance(p2l, torch.Tensor) else p2l)]  # host sync: read side
+        p2l = check_int_list("LoadMonitor.set_placement: phys_to_logical",
+                             getattr(placement, "phys_to_logical", placement), 0)
         E, W = self.num_experts, self.num_ranks
         if len(p2l) % W or sorted(set(p2l)) != list(range(E)):
             raise ValueError(f"LoadMonitor.set_placement: phys_to_logical must have a multiple of num_ranks={W} "
@@ -189,7 +194,12 @@ class LoadMonitor:
             ranks_of[g].append(p // S)
         self._rank_share_WE, self._ranks_of, self._phys_to_logical = share, ranks_of, p2l
 
-    def _rank_load(self, load_XE: torch.Tensor) -> torch.Tensor:
+    @property
+    def placement(self) -> Optional[List[int]]:
+        """phys_to_logical of the placement the per-rank views follow (None: expert g on rank g // (E / W))."""
+        return None if self._phys_to_logical is None else list(self._phys_to_logical)
+
+    def rank_load(self, load_XE: torch.Tensor) -> torch.Tensor:
         """[..., E] host loads -> [..., W] per-rank loads under the current placement."""
         if self._rank_share_WE is None:
             return load_XE.reshape(load_XE.shape[:-1] + (self.num_ranks, -1)).sum(-1)
@@ -230,7 +240,7 @@ class LoadMonitor:
     @torch.no_grad()
     def observe(self, tokens_per_expert_E: torch.Tensor, dropped: Union[torch.Tensor, int] = 0,
                 scores_TE: Optional[torch.Tensor] = None, *,
-                group: Optional[dist.ProcessGroup] = None) -> GlobalCounts:
+                group: Optional[dist.ProcessGroup] = None, timeout: Optional[float] = None) -> GlobalCounts:
         """Record one step. No host sync (unless ``sync_every`` asks for one).
 
         Args:
@@ -243,6 +253,9 @@ class LoadMonitor:
                 are summed over it with ONE asynchronous all_reduce: a collective, so every rank of
                 the group must call observe with a group, in the same order. num_ranks must equal the
                 group size.
+            timeout: seconds to wait for that all_reduce (at the next observe, a read, or the returned
+                handle's ``wait``) before raising ``moe_comm.comm.CollectiveError`` naming the "load
+                monitor" phase; None: the process group's timeout.
         Returns: GlobalCounts of this step (the group-summed counts once ``wait()`` ed), so a caller
             that also needs the global load (aux-loss-free balancing) reuses this step's collective.
         """
@@ -287,7 +300,8 @@ class LoadMonitor:
             # float64 is exact for counts below 2**53.
             buf_X = torch.cat([counts_E.to(torch.float64), dropped_t.to(torch.float64).reshape(1), probsum_E,
                                torch.full((1,), ntok, dtype=torch.float64, device=device)])
-            handle = GlobalCounts(buf_X[:E], dist.all_reduce(buf_X, group=group, async_op=True))
+            handle = GlobalCounts(buf_X[:E], dist.all_reduce(buf_X, group=group, async_op=True),
+                                  phase="load monitor", timeout=timeout, rank=dist.get_rank(group))
             self._pending.append((handle, buf_X))
         else:
             self._flush()
@@ -370,10 +384,17 @@ class LoadMonitor:
                     self.on_hot_change(added, removed, step)
         self._polled = self._done
 
-    def poll(self) -> List[HotExpert]:
-        """Host sync: fire pending hot-change callbacks / log records; returns ``hot_experts()``."""
+    def read_state(self) -> Dict[str, torch.Tensor]:
+        """Host sync. The state on the host (window rows oldest first: counts_SE, dropped_S, entropy_S,
+        hot_SE; totals total_E, total_dropped; ema_E, hot_E, hot_since_E), after delivering pending
+        hot-set changes. What ``summary``, the JSON report and the plot read."""
         st = self._host()
         self._deliver(st)
+        return st
+
+    def poll(self) -> List[HotExpert]:
+        """Host sync: fire pending hot-change callbacks / log records; returns ``hot_experts()``."""
+        st = self.read_state()
         return self._hot_list(st)
 
     def _hot_list(self, st: Dict[str, torch.Tensor]) -> List[HotExpert]:
@@ -406,7 +427,7 @@ class LoadMonitor:
 
     def _view(self, load_E: torch.Tensor, dropped: Optional[float] = None) -> Dict[str, object]:
         load_E = load_E.to(torch.float64)
-        rank_W = self._rank_load(load_E)
+        rank_W = self.rank_load(load_E)
         mean, mx = float(load_E.mean()), float(load_E.max())
         rmean, rmx = float(rank_W.mean()), float(rank_W.max())
         ratio = lambda a, b: a / b if b > 0 else None  # noqa: E731
@@ -439,8 +460,7 @@ class LoadMonitor:
         ``hot_experts`` (list of {expert, rank, load_over_mean, since_step}); ``placement`` (phys_to_logical)
         only after ``set_placement``. Ratios are None when undefined (no load).
         """
-        st = self._host()
-        self._deliver(st)
+        st = self.read_state()
         n = st["counts_SE"].shape[0]
         out: Dict[str, object] = {
             "num_experts": self.num_experts, "num_ranks": self.num_ranks, "steps": self._done, "window_steps": n,
@@ -483,114 +503,13 @@ class LoadMonitor:
                 "hot": [row.nonzero().flatten().tolist() for row in st["hot_SE"]]}  # host sync: read side
 
     def to_json(self, path: Union[str, os.PathLike], history: bool = True) -> str:
-        """Host sync. Write ``summary()`` (plus ``history()`` under "history" when asked) to ``path``."""
-        data = self.summary()
-        if history:
-            data["history"] = self.history()
-        with open(path, "w") as f:
-            json.dump(data, f, indent=1)
-        return os.fspath(path)
+        """Host sync. Write ``summary()`` (plus ``history()`` under "history" when asked) to ``path`` as strict
+        JSON (NaN / Infinity written as null); see ``moe_comm.monitor.report.write_json``."""
+        from moe_comm.monitor.report import write_json
+        return write_json(self, path, history)
 
-    # ------------------------------------------------------------------------------------------- plot
     def plot(self, path: Union[str, os.PathLike], title: Optional[str] = None, dpi: int = 120) -> str:
-        """Host sync. Save a PNG (any format matplotlib infers from ``path``) with three panels:
-
-        - heatmap experts x steps of load / mean load of the step (diverging colormap, white = 1 = even,
-          red = hotter, blue = colder), rank boundaries as lines, hot periods outlined in black and the
-          experts hot now marked with a triangle on the right;
-        - rank max/mean per step under it, on the same step axis (the all-to-all straggler factor);
-        - tokens per rank (mean per step over the window) as bars, whiskers from the least to the most
-          loaded step, the mean as a dashed line (a drifting hot spot can average out over the window
-          while every single step has a straggler: the whiskers and the middle panel show it).
-        Needs matplotlib (``pip install moe_comm[plot]``).
-        """
-        try:
-            from matplotlib.backends.backend_agg import FigureCanvasAgg
-            from matplotlib.colors import TwoSlopeNorm
-            from matplotlib.figure import Figure
-            from matplotlib.patches import Rectangle
-            import matplotlib as mpl
-        except ImportError as exc:
-            raise ImportError("LoadMonitor.plot needs matplotlib: pip install moe_comm[plot] "
-                              "(or pip install matplotlib)") from exc
-        st = self._host()
-        self._deliver(st)
-        n = st["counts_SE"].shape[0]
-        if n == 0:
-            raise RuntimeError("LoadMonitor.plot: nothing observed yet")
-        E, W = self.num_experts, self.num_ranks
-        e = E // W
-        first, last = self._done - n, self._done - 1
-        counts_SE = st["counts_SE"].to(torch.float64)
-        step_mean_S = counts_SE.mean(1, keepdim=True)
-        rel_ES = (counts_SE / step_mean_S.where(step_mean_S > 0, torch.tensor(float("nan")))).T.numpy()
-        hot_now = st["hot_E"].nonzero().flatten().tolist()  # host sync: read side
-        rank_SW = self._rank_load(counts_SE)
-        rank_mom_S = (rank_SW.max(1).values / rank_SW.mean(1)).numpy()
-        rank_W = (rank_SW.sum(0) / n).numpy()
-
-        fig = Figure(figsize=(12, 9), layout="constrained")
-        FigureCanvasAgg(fig)
-        gs = fig.add_gridspec(3, 2, height_ratios=[3.2, 1.0, 1.6], width_ratios=[40, 1])
-        ax_h = fig.add_subplot(gs[0, 0])
-        ax_s = fig.add_subplot(gs[1, 0], sharex=ax_h)
-        ax_b = fig.add_subplot(gs[2, 0])
-        cax = fig.add_subplot(gs[0, 1])
-
-        finite = rel_ES[~(rel_ES != rel_ES)]  # drop NaN (steps with no tokens)
-        vmax = max(2.0, self.hot_threshold * 1.25, float(finite.max()) if finite.size else 2.0)
-        norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=vmax)
-        cmap = mpl.colormaps["RdBu_r"].with_extremes(bad="0.8")  # grey: a step with no tokens
-        extent = (first - 0.5, last + 0.5, E - 0.5, -0.5)
-        im = ax_h.imshow(rel_ES, aspect="auto", cmap=cmap, norm=norm, extent=extent, interpolation="nearest")
-        cb = fig.colorbar(im, cax=cax)
-        cb.set_label("load / mean expert load of the step")
-        cb.ax.axhline(self.hot_threshold, color="k", lw=1.5)
-        for g, run_start, run_len in _runs(st["hot_SE"].T):  # outline each hot period of each expert
-            ax_h.add_patch(Rectangle((first + run_start - 0.5, g - 0.5), run_len, 1.0, fill=False, ec="k", lw=1.3))
-        for r in range(1, W if self._ranks_of is None else 1):  # a placement scatters experts: no bands
-            ax_h.axhline(r * e - 0.5, color="0.3", lw=0.8, ls=":")
-        if W > 1 and self._ranks_of is None:
-            sec = ax_h.secondary_yaxis("right")
-            sec.set_yticks([r * e + (e - 1) / 2 for r in range(W)], labels=[f"rank {r}" for r in range(W)])
-            sec.tick_params(length=0, pad=14)  # room for the hot-now markers
-        for g in hot_now:
-            ax_h.plot([last + 0.5], [g], marker="<", color="k", ms=8, clip_on=False)
-        ax_h.set_ylabel("expert")
-        ax_h.set_title(f"Load per expert and step (hot: > {self.hot_threshold:g}x mean for "
-                       f"{self.hot_persistence} steps, outlined; \u25c0 hot now)")
-        ax_h.tick_params(labelbottom=False)
-        if E <= 32:
-            ax_h.set_yticks(range(E))
-
-        ax_s.plot(range(first, last + 1), rank_mom_S, color="C3", lw=1.2, drawstyle="steps-mid")
-        ax_s.axhline(1.0, color="0.5", lw=0.8, ls="--")
-        ax_s.set_ylabel("rank max/mean")
-        ax_s.set_xlabel("step")
-        ax_s.set_ylim(bottom=min(0.95, float(rank_mom_S.min()) if rank_mom_S.size else 0.95))
-        ax_s.set_title("Straggler factor per step: max / mean tokens per rank", fontsize="medium")
-
-        mean_rank = float(rank_W.mean())
-        rel_W = rank_W / mean_rank if mean_rank > 0 else rank_W * 0 + 1
-        lo_W, hi_W = rank_SW.min(0).values.numpy(), rank_SW.max(0).values.numpy()
-        bars = ax_b.bar(range(W), rank_W, color=[cmap(norm(v)) for v in rel_W], edgecolor="0.2",
-                        yerr=[rank_W - lo_W, hi_W - rank_W], ecolor="0.35", capsize=4)
-        ax_b.bar_label(bars, labels=[f"{v:.2f}x" for v in rel_W], label_type="center", fontsize="small")
-        ax_b.axhline(mean_rank, color="k", ls="--", lw=1.2)
-        ax_b.set_xticks(range(W), labels=[str(r) for r in range(W)])
-        ax_b.set_xlabel("EP rank")
-        ax_b.set_ylabel("tokens per step")
-        ax_b.set_ylim(top=float(hi_W.max()) * 1.08 if hi_W.max() > 0 else 1.0)
-        mom = float(rank_W.max()) / mean_rank if mean_rank > 0 else float("nan")
-        ax_b.set_title(f"Tokens per rank, mean over steps {first}-{last} (max/mean {mom:.2f}); "
-                       f"whiskers: min-max of a step; dashed: mean {mean_rank:.1f}", fontsize="medium")
-
-        load_E = counts_SE.sum(0)
-        bal = float(load_E.mean() / load_E.max()) if load_E.max() > 0 else float("nan")
-        hot_txt = ", ".join(f"{g} (r{self.rank_of(g)})" for g in hot_now[:8]) + (" ..." if len(hot_now) > 8 else "")
-        placed = "" if self._phys_to_logical is None else \
-            f" (placed: {len(self._phys_to_logical)} slots, rank views use this placement for every step)"
-        fig.suptitle(title or f"LoadMonitor: {E} experts on {W} ranks{placed}, steps {first}-{last} | balancedness "
-                     f"{bal:.2f} | hot now: {hot_txt or 'none'}", fontsize="large")
-        fig.savefig(path, dpi=dpi)
-        return os.fspath(path)
+        """Host sync. Save the load heatmap, the straggler factor per step and the tokens per rank to
+        ``path``; see ``moe_comm.monitor.report.plot_load``. Needs matplotlib (``pip install moe_comm[plot]``)."""
+        from moe_comm.monitor.report import plot_load
+        return plot_load(self, path, title, dpi)

@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+from einops import rearrange, reduce, repeat
+
+from moe_comm._checks import check_int, check_tensor
 
 __all__ = ["Layout", "make_layout", "layout_reference", "chunk_of_tokens"]
 
@@ -55,7 +58,7 @@ class Layout:
     @property
     def tokens_per_expert_E(self) -> torch.Tensor:
         """[E] int64 routed rows per global expert (device tensor, no sync)."""
-        return self.counts_CWe.sum(0).reshape(-1)
+        return reduce(self.counts_CWe, "c w e -> (w e)", "sum")  # global expert g = w * e + local
 
     @property
     def num_rows(self) -> int:
@@ -79,16 +82,6 @@ class Layout:
         return self.src_slot_S[: self.num_rows]
 
 
-def _check_topk_idx(topk_idx_TK: torch.Tensor) -> torch.Tensor:
-    if not isinstance(topk_idx_TK, torch.Tensor):
-        raise TypeError(f"topk_idx_TK must be a torch.Tensor, got {type(topk_idx_TK).__name__}")
-    if topk_idx_TK.dim() != 2:
-        raise ValueError(f"topk_idx_TK must be 2-D [T, K], got shape {tuple(topk_idx_TK.shape)}")
-    if topk_idx_TK.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-        raise TypeError(f"topk_idx_TK must be an integer tensor (int64 preferred), got {topk_idx_TK.dtype}")
-    return topk_idx_TK.to(torch.int64).contiguous()
-
-
 def chunk_of_tokens(num_tokens: int, num_chunks: int, device=None) -> torch.Tensor:
     """[T] int64 chunk of every token: min(C - 1, (2t(C - 1) + T) // 2T).
 
@@ -109,18 +102,17 @@ def layout_reference(topk_idx_TK: torch.Tensor, num_experts: int, num_chunks: in
     T, K = topk_idx_TK.shape
     E, C = num_experts, num_chunks
     dev = topk_idx_TK.device
-    flat_S = topk_idx_TK.reshape(-1)
+    flat_S = rearrange(topk_idx_TK, "t k -> (t k)")  # slot s = t*K + k
     valid_S = (flat_S >= 0) & (flat_S < E)
     num_invalid = ((flat_S < -1) | (flat_S >= E)).sum()
-    chunk_T = chunk_of_tokens(T, C, dev)
-    chunk_S = chunk_T.repeat_interleave(K)
-    key_S = torch.where(valid_S, chunk_S * E + flat_S, torch.full_like(flat_S, C * E))
+    chunk_S = repeat(chunk_of_tokens(T, C, dev), "t -> (t k)", k=K)
+    key_S = torch.where(valid_S, chunk_S * E + flat_S, torch.full_like(flat_S, C * E))  # C*E: dropped, sorts last
     src_slot_S = torch.sort(key_S, stable=True).indices
-    counts_CE = torch.bincount(key_S, minlength=C * E + 1)[: C * E].reshape(C, E)
+    counts_CE = rearrange(torch.bincount(key_S, minlength=C * E + 1)[: C * E], "(c e) -> c e", c=C, e=E)
     dest_S = torch.empty_like(flat_S)
     dest_S[src_slot_S] = torch.arange(T * K, device=dev, dtype=torch.int64)
     dest_S = torch.where(valid_S, dest_S, torch.full_like(dest_S, -1))
-    return dest_S.reshape(T, K), src_slot_S, counts_CE, num_invalid
+    return rearrange(dest_S, "(t k) -> t k", t=T, k=K), src_slot_S, counts_CE, num_invalid
 
 
 def make_layout(topk_idx_TK: torch.Tensor, num_experts: int, *, num_ranks: int = 1, num_chunks: int = 1,
@@ -139,10 +131,11 @@ def make_layout(topk_idx_TK: torch.Tensor, num_experts: int, *, num_ranks: int =
         make_layout([[1, 0], [0, -1]], num_experts=2)
         -> dest_row_TK [[2, 0], [1, -1]], counts_CWe [[[2, 1]]], 3 routed rows
     """
-    topk_idx_TK = _check_topk_idx(topk_idx_TK)
-    for name, v, lo in (("num_experts", num_experts, 1), ("num_ranks", num_ranks, 1), ("num_chunks", num_chunks, 1)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    check_tensor("topk_idx_TK", topk_idx_TK, dim=2, integer=True)
+    topk_idx_TK = topk_idx_TK.to(torch.int64).contiguous()
+    check_int("num_experts", num_experts, 1)
+    check_int("num_ranks", num_ranks, 1)
+    check_int("num_chunks", num_chunks, 1)
     if num_experts % num_ranks:
         raise ValueError(f"num_experts ({num_experts}) must be divisible by num_ranks, got num_ranks={num_ranks}")
     from moe_comm.kernels import select_backend
@@ -152,5 +145,5 @@ def make_layout(topk_idx_TK: torch.Tensor, num_experts: int, *, num_ranks: int =
     T, K = topk_idx_TK.shape
     return Layout(num_tokens=T, top_k=K, num_experts=num_experts, num_ranks=num_ranks, num_chunks=num_chunks,
                   dest_row_TK=dest_row_TK, src_slot_S=src_slot_S, token_S=src_slot_S // K if K else src_slot_S,
-                  counts_CWe=counts_CE.reshape(num_chunks, num_ranks, num_experts // num_ranks),
+                  counts_CWe=rearrange(counts_CE, "c (w e) -> c w e", w=num_ranks),  # expert g = w * e + local
                   num_invalid=num_invalid)

@@ -10,21 +10,11 @@ from typing import Optional
 
 import torch
 
+from moe_comm._checks import check_out, check_tensor
 from moe_comm.kernels import select_backend
 from moe_comm.ops.layout import Layout
 
 __all__ = ["permute", "unpermute", "gather_rows"]
-
-
-def _check_rows(name: str, t: torch.Tensor, rows: int, dim_name: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 2:
-        raise ValueError(f"{name} must be 2-D [{dim_name}, H], got shape {tuple(t.shape)}")
-    if t.shape[0] != rows:
-        raise ValueError(f"{name} must have {rows} rows ({dim_name} from the layout), got {t.shape[0]}")
-    if not t.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
 
 
 class _Permute(torch.autograd.Function):
@@ -95,10 +85,9 @@ def permute(x_TH: torch.Tensor, layout: Layout, *, backend: str = "auto",
         x_TH = [[a], [b]], topk_idx_TK = [[1, 0], [0, -1]], E = 2
         -> [[a], [b], [a]]   (expert 0: token 0 then token 1; expert 1: token 0)
     """
-    _check_rows("x_TH", x_TH, layout.num_tokens, "T")
-    if out is not None and (tuple(out.shape) != (layout.num_rows, x_TH.shape[1]) or out.dtype != x_TH.dtype):
-        raise ValueError(f"out must be [N, H] = [{layout.num_rows}, {x_TH.shape[1]}] of dtype {x_TH.dtype}, "
-                         f"got {list(out.shape)} of {out.dtype}")
+    check_tensor("x_TH", x_TH, shape=(layout.num_tokens, None), shape_from="[T, H], T from the layout", floating=True)
+    if out is not None:  # the kernels stage a non-contiguous out through a dense buffer
+        check_out("out", out, (layout.num_rows, x_TH.shape[1]), x_TH.dtype, x_TH.device, like="x_TH", contiguous=False)
     return _Permute.apply(x_TH, layout, backend, out)
 
 
@@ -118,16 +107,10 @@ def unpermute(y_NH: torch.Tensor, layout: Layout, topk_weight_TK: Optional[torch
         y_NH = [[1], [2], [3]], dest_row_TK = [[2, 0], [1, -1]], weight = [[.5, 1], [2, 9]]
         -> [[.5*3 + 1*1], [2*2]] = [[2.5], [4]]
     """
-    _check_rows("y_NH", y_NH, layout.num_rows, "N")
+    check_tensor("y_NH", y_NH, shape=(layout.num_rows, None), shape_from="[N, H], N from the layout", floating=True)
     if topk_weight_TK is not None:
-        if not isinstance(topk_weight_TK, torch.Tensor):
-            raise TypeError(f"topk_weight_TK must be a torch.Tensor or None, got {type(topk_weight_TK).__name__}")
-        expected = (layout.num_tokens, layout.top_k)
-        if tuple(topk_weight_TK.shape) != expected:
-            raise ValueError(f"topk_weight_TK must have shape [T, K] = {list(expected)}, "
-                             f"got {list(topk_weight_TK.shape)}")
-        if topk_weight_TK.dtype not in (torch.float32, torch.float64):
-            raise TypeError(f"topk_weight_TK must be float32 or float64, got {topk_weight_TK.dtype}")
+        check_tensor("topk_weight_TK", topk_weight_TK, shape=(layout.num_tokens, layout.top_k),
+                     shape_from="[T, K] from the layout", dtypes=(torch.float32, torch.float64))
     return _Unpermute.apply(y_NH, topk_weight_TK, layout, backend)
 
 
@@ -135,7 +118,17 @@ def gather_rows(x_RH: torch.Tensor, index_R: torch.Tensor, inverse_R: torch.Tens
                 backend: str = "auto", out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x_RH[index_R]`` for a permutation ``index_R`` whose inverse is ``inverse_R``.
 
+    Args:
+        x_RH: [R, H] float rows.
+        index_R, inverse_R: [R] integer (int64 preferred), a permutation of 0..R-1 and its inverse
+            (not checked: that would need a host sync).
+        backend: as in ``permute``. out: optional [R, H] buffer of x's dtype.
     Used to regroup received rows between (source rank, expert) and expert-major order; the
     backward is the inverse gather. Example: index_R = [2, 0, 1], inverse_R = [1, 2, 0].
     """
+    check_tensor("x_RH", x_RH, dim=2, floating=True)
+    R = x_RH.shape[0]
+    check_tensor("index_R", index_R, shape=(R,), shape_from="R from x_RH", integer=True)
+    check_tensor("inverse_R", inverse_R, shape=(R,), shape_from="R from x_RH", integer=True)
+    check_out("out", out, (R, x_RH.shape[1]), x_RH.dtype, x_RH.device, like="x_RH", contiguous=False)
     return _GatherRows.apply(x_RH, index_R, inverse_R, backend, out)

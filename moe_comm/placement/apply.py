@@ -15,6 +15,8 @@ module turns it into what a layer needs:
 - ``physical_topk``: logical top-K ids -> physical slots, device-only (no host sync). The slots a rank
   routes to a replicated expert g go round-robin over g's replicas in token order, starting at replica
   ``rank % C_g``: every replica gets the same share of every rank's tokens to within one row.
+- ``relayout_slots``: what ``MoELayer.apply_placement`` runs: check the plan and the optimizer state on
+  every rank (``agree``: all raise or none), then ``move_slots`` the weights and per-slot optimizer state.
 - ``sync_replica_grads``: one all_reduce that sums the gradients of every replicated expert over the
   ranks holding its replicas (replicas then stay bit-identical under any optimizer).
 """
@@ -26,17 +28,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe_comm.comm.collectives import all_to_all_v, group_rank, group_size
+from moe_comm._checks import check_int_list
+from moe_comm.comm.agree import agree
+from moe_comm.comm.collectives import all_to_all_v, group_rank, group_size, wait_work
 from moe_comm.placement.planner import Placement
 
 __all__ = ["check_placement", "transfer_plan", "move_slots", "replica_tables", "physical_topk",
-           "sync_replica_grads", "optimizer_slot_state"]
+           "sync_replica_grads", "optimizer_slot_state", "relayout_slots"]
 
 
 def check_placement(placement, num_experts: int, num_ranks: int) -> List[int]:
     """Validate a Placement for a layer of E experts on W ranks; returns phys_to_logical as a host list.
 
-    Raises TypeError (not a Placement) or ValueError naming the field (got vs expected)."""
+    Raises TypeError (not a Placement, or a float / non-integer phys_to_logical: never truncated) or
+    ValueError naming the field (got vs expected)."""
     if not isinstance(placement, Placement):
         raise TypeError(f"placement must be a moe_comm.placement.Placement (from plan_placement), "
                         f"got {type(placement).__name__}")
@@ -45,7 +50,7 @@ def check_placement(placement, num_experts: int, num_ranks: int) -> List[int]:
                          f"got {placement.num_experts}")
     if placement.num_ranks != num_ranks:
         raise ValueError(f"placement.num_ranks must equal the EP world size ({num_ranks}), got {placement.num_ranks}")
-    p2l = [int(g) for g in placement.phys_to_logical.tolist()]  # host sync: none, a CPU tensor
+    p2l = check_int_list("placement.phys_to_logical", placement.phys_to_logical, 0, high=num_experts - 1)
     P = len(p2l)
     if P % num_ranks:
         raise ValueError(f"placement.phys_to_logical length ({P}) must be divisible by the EP world size ({num_ranks})")
@@ -197,36 +202,43 @@ def physical_topk(topk_idx_TK: torch.Tensor, slots_EC: torch.Tensor, count_E: to
 
 @torch.no_grad()
 def sync_replica_grads(params: Sequence[nn.Parameter], local_logical: Sequence[int], p2l: Sequence[int],
-                       group: Optional[dist.ProcessGroup]) -> int:
-    """Collective: sum the gradients of every replicated expert over the ranks holding its replicas.
+                       group: Optional[dist.ProcessGroup], *, timeout: Optional[float] = None) -> int:
+    """Collective: sum the gradients of every replicated expert over all of its replicas.
 
     Args:
         params: per-slot parameters of this rank ([S, ...] each; a missing .grad counts as zeros and is
             created).
-        local_logical: logical id of each local slot. p2l: global phys_to_logical [P].
-        group: EP process group.
+        local_logical: logical id of each local slot (a rank may hold several replicas of one expert: a
+            hand-made placement; they are summed too). p2l: global phys_to_logical [P].
+        group: EP process group (None: one process; replicas on this rank are still summed).
+        timeout: seconds to wait for the all_reduce before raising CollectiveError (None: the group's).
     Returns: the number of replicated logical experts (0: nothing to do, and no collective on any rank,
     since p2l is the same everywhere). One all_reduce in float32 (float64 for float64 grads) over the
     whole group; ranks without a replica of an expert add zeros, so every replica ends up with the sum.
+    Example: p2l [0, 1, 0 | 2, 3, 0] (W=2): rank 0 adds its two expert-0 gradients, the all_reduce adds
+    rank 1's; all three expert-0 slots then hold the sum of the three.
     """
     counts: Dict[int, int] = {}
     for g in p2l:
         counts[int(g)] = counts.get(int(g), 0) + 1
     replicated = sorted(g for g, c in counts.items() if c > 1)
-    if not replicated or group is None or group_size(group) == 1:
-        return len(replicated)
+    if not replicated:
+        return 0
     row_of = {g: j for j, g in enumerate(replicated)}
-    local = [(i, row_of[g]) for i, g in enumerate(local_logical) if g in row_of]
+    local = [(i, row_of[int(g)]) for i, g in enumerate(local_logical) if int(g) in row_of]
     acc = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
     widths = [p[0].numel() for p in params]
     buf_NX = torch.zeros(len(replicated), sum(widths), dtype=acc, device=params[0].device)
     off = 0
     for p, w in zip(params, widths):
         if p.grad is not None:
-            for i, j in local:
-                buf_NX[j, off:off + w] = p.grad[i].reshape(-1)
+            for i, j in local:  # add, not copy: two local replicas of one expert both count
+                buf_NX[j, off:off + w] += p.grad[i].reshape(-1)
         off += w
-    dist.all_reduce(buf_NX, group=group)
+    if group is not None and group_size(group) > 1:
+        work = dist.all_reduce(buf_NX, group=group, async_op=True)
+        wait_work(work, "replica gradient sum", timeout=timeout, rank=group_rank(group), direction="bwd",
+                  what="all_reduce")
     off = 0
     for p, w in zip(params, widths):
         if p.grad is None:
@@ -263,3 +275,47 @@ def optimizer_slot_state(optimizer: torch.optim.Optimizer, params: Sequence[nn.P
             else:
                 sig.append((pi, str(key), "shared"))
     return keys, tensors, sig
+
+
+def relayout_slots(params: Sequence[nn.Parameter], placement, current_p2l: Sequence[int], num_experts: int,
+                   group: Optional[dist.ProcessGroup], optimizer: Optional[torch.optim.Optimizer] = None) -> List[int]:
+    """Collective: move per-slot parameters (and their optimizer state) from ``current_p2l`` to ``placement``.
+
+    Args:
+        params: this rank's per-slot Parameters ([S_cur, ...] each, e.g. experts.w1/w3/w2); they stay the
+            same Parameter objects (so the optimizer keeps them) and get [S_new, ...] data, ``.grad`` None.
+        placement: a Placement for ``num_experts`` logical experts on the group's W ranks, the same on
+            every rank.
+        current_p2l: phys_to_logical of the present layout ([P_cur] host ints, identical on every rank).
+        group: EP process group (None: one process).
+        optimizer: None, or a torch optimizer keyed by parameter; the per-slot entries of ``params``' state
+            (see ``optimizer_slot_state``) move with the weights, replicas get copies.
+    Returns: the new phys_to_logical (host list).
+
+    Every rank checks its own arguments (placement, optimizer type, optimizer state layout), then one
+    ``agree`` compares the placement and the state layout across the group: on any rejection or
+    difference every rank raises and nothing has moved. Then one all_to_all moves every tensor.
+    """
+    W = group_size(group)
+    keys: List[Tuple[int, str]] = []
+    states: List[torch.Tensor] = []
+    signature: list = []
+    new_p2l: Optional[List[int]] = None
+    local_error: Optional[BaseException] = None
+    try:  # a rank that rejects its arguments still joins the agreement: every rank raises
+        new_p2l = check_placement(placement, num_experts, W)
+        if optimizer is not None:
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+            keys, states, signature = optimizer_slot_state(optimizer, params, params[0].shape[0])
+    except (TypeError, ValueError) as err:
+        local_error = err
+    agree(group if W > 1 else None, {"placement": new_p2l, "optimizer state of the experts": signature},
+          what="apply_placement", local_error=local_error)
+    moved = move_slots([p.data for p in params] + states, current_p2l, new_p2l, group)
+    for p, data in zip(params, moved[:len(params)]):
+        p.data = data
+        p.grad = None
+    for (pi, key), data in zip(keys, moved[len(params):]):
+        optimizer.state[params[pi]][key] = data
+    return new_p2l

@@ -29,6 +29,8 @@ from typing import Dict, List, Sequence, Union
 import numpy as np
 import torch
 
+from moe_comm._checks import check_int
+
 __all__ = ["Placement", "plan_placement", "identity_placement", "rank_loads"]
 
 
@@ -222,10 +224,9 @@ def _refine(held, holds, load_W: np.ndarray, per_replica: np.ndarray, max_rounds
         load_W[lo] += d
 
 
-def _check_int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return int(value)
+def _int_arg(name: str, value, low: int) -> int:
+    """check_int that also takes a numpy integer (a count read from an array)."""
+    return check_int(name, int(value) if isinstance(value, np.integer) else value, low)
 
 
 def _placement(load_E: np.ndarray, per_rank: List[List[int]], num_ranks: int) -> Placement:
@@ -263,8 +264,8 @@ def plan_placement(load_history_LE, num_ranks: int, num_replicas: int = 0) -> Pl
     """
     load_E = _as_history(load_history_LE).mean(0)
     E = load_E.shape[0]
-    W = _check_int("num_ranks", num_ranks, 1)
-    R = _check_int("num_replicas", num_replicas, 0)
+    W = _int_arg("plan_placement: num_ranks", num_ranks, 1)
+    R = _int_arg("plan_placement: num_replicas", num_replicas, 0)
     if (E + R) % W:
         raise ValueError(f"num_experts + num_replicas ({E} + {R} = {E + R}) must be divisible by num_ranks "
                          f"({W}): each rank holds the same number of slots")
@@ -279,8 +280,8 @@ def plan_placement(load_history_LE, num_ranks: int, num_replicas: int = 0) -> Pl
 def identity_placement(num_experts: int, num_ranks: int, load_history_LE=None) -> Placement:
     """The layer's default placement (expert g on rank g // (E / W), no replicas) as a Placement; its
     loads come from ``load_history_LE`` when given (else zeros)."""
-    E = _check_int("num_experts", num_experts, 1)
-    W = _check_int("num_ranks", num_ranks, 1)
+    E = _int_arg("identity_placement: num_experts", num_experts, 1)
+    W = _int_arg("identity_placement: num_ranks", num_ranks, 1)
     if E % W:
         raise ValueError(f"num_experts ({E}) must be divisible by num_ranks, got {W}")
     load_E = np.zeros(E) if load_history_LE is None else _as_history(load_history_LE).mean(0)

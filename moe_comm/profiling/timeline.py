@@ -43,29 +43,26 @@ torch.profiler labels: ``compute`` and ``region`` wrap their block in
 is running (a ~0.1 us check), so a user's torch.profiler trace shows our phases without enabling the
 timeline. record_function itself costs ~6 us per call, which is why it is skipped otherwise.
 
-Analysis functions (``overlap_report``, ``format_report``, ``to_chrome_trace``) are pure functions of a
-list of spans. Per rank: T_compute = length of the union of its compute spans, T_comm = union of its comm
-spans, hidden = length of (comm union) ∩ (compute union), exposed = T_comm - hidden,
-overlap_fraction = hidden / min(T_comm, T_compute) (0 when the min is 0),
-T_step = T_compute + T_comm - hidden (the length of the union of both), wall = last end - first start.
+What is done with the spans lives next door: ``analysis.py`` (``overlap_report``: hidden vs exposed comm)
+and ``export.py`` (``format_report``, ``to_chrome_trace``), pure functions of a list of spans.
 """
 from __future__ import annotations
 
-import io
-import json
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Span", "Timeline", "overlap_report", "format_report", "to_chrome_trace", "KINDS", "DIRECTIONS"]
+from moe_comm._checks import check_choice, check_float, check_int
+
+__all__ = ["Span", "Timeline", "check_spans", "KINDS", "DIRECTIONS"]
 
 KINDS = ("compute", "comm", "region")  # region: an envelope ("forward", "backward"), outside the maths
 DIRECTIONS = ("fwd", "bwd")
-_TRACK_ORDER = {"compute": 0, "comm": 1, "region": 2}
+TRACK_ORDER = {"compute": 0, "comm": 1, "region": 2}  # default tracks, top to bottom (trace tids, report rows)
 _perf_counter = time.perf_counter
 
 try:  # ~0.1 us; private but long-standing. Without it, labels only when the timeline is enabled.
@@ -98,6 +95,19 @@ class Span:
     @property
     def duration(self) -> float:
         return self.end - self.start
+
+
+def check_spans(spans: Iterable[Span]) -> List[Span]:
+    """The spans as a list, each checked: a Span, a known kind, end >= start."""
+    spans = list(spans)
+    for s in spans:
+        if not isinstance(s, Span):
+            raise TypeError(f"spans must hold Span objects, got {type(s).__name__}")
+        if s.kind not in KINDS:
+            raise ValueError(f"span kind must be one of {KINDS}, got {s.kind!r} ({s})")
+        if not s.end >= s.start:
+            raise ValueError(f"span end must be >= start, got start={s.start}, end={s.end} ({s})")
+    return spans
 
 
 class _NullContext:
@@ -174,12 +184,8 @@ class Timeline:
     """
 
     def __init__(self, rank: int = 0, layer: int = 0, enabled: bool = False, *, device: Any = "cpu"):
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"rank must be an int >= 0, got {rank!r}")
-        if isinstance(layer, bool) or not isinstance(layer, int):
-            raise ValueError(f"layer must be an int, got {layer!r}")
-        self.rank = rank
-        self.layer = layer
+        self.rank = check_int("Timeline: rank", rank, 0)
+        self.layer = check_int("Timeline: layer", layer)
         self.enabled = bool(enabled)
         self.device = device
         self._done: List[Span] = []
@@ -207,10 +213,10 @@ class Timeline:
               track: Optional[str]) -> tuple:
         if not isinstance(phase, str) or not phase:
             raise ValueError(f"phase must be a non-empty str, got {phase!r}")
-        if direction not in DIRECTIONS:
-            raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < -1:
-            raise ValueError(f"chunk must be an int >= -1 (-1: not chunked), got {chunk!r}")
+        check_choice("direction", direction, DIRECTIONS)
+        check_int("chunk (-1: not chunked)", chunk, -1)
+        if layer is not None:
+            check_int("layer", layer)
         return (self.layer if layer is None else layer, phase, chunk, kind, direction,
                 kind if track is None else track)
 
@@ -271,9 +277,8 @@ class Timeline:
             return None
         if start is None:
             start = _perf_counter()
-        elif isinstance(start, bool) or not isinstance(start, (int, float)):
-            raise TypeError(f"start must be a perf_counter float from mark() on a host timeline, "
-                            f"got {type(start).__name__}")
+        else:
+            check_float("start (a perf_counter float from mark() on a host timeline)", start)
         if work is None:
             self._done.append(_make_span(self.rank, meta, float(start), _perf_counter()))
             return None
@@ -374,203 +379,13 @@ class Timeline:
         return sorted(merged, key=lambda s: (s.rank, s.start, s.end))
 
 
-# ==================================================================== interval maths
-def _union(intervals: Iterable[Tuple[float, float]]) -> List[Tuple[float, float]]:
-    """Sorted, disjoint union. Example: [(0, 2), (1, 3), (5, 6)] -> [(0, 3), (5, 6)]."""
-    out: List[List[float]] = []
-    for s, e in sorted(intervals):
-        if e <= s:
-            continue
-        if out and s <= out[-1][1]:
-            if e > out[-1][1]:
-                out[-1][1] = e
-        else:
-            out.append([s, e])
-    return [(s, e) for s, e in out]
-
-
-def _length(union: Sequence[Tuple[float, float]]) -> float:
-    return sum(e - s for s, e in union)
-
-
-def _intersection(a: Sequence[Tuple[float, float]], b: Sequence[Tuple[float, float]]) -> List[Tuple[float, float]]:
-    """Intersection of two sorted disjoint unions (two pointers).
-    Example: [(0, 3), (5, 6)] ∩ [(2, 5.5)] -> [(2, 3), (5, 5.5)]."""
-    i = j = 0
-    out = []
-    while i < len(a) and j < len(b):
-        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if s < e:
-            out.append((s, e))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
-# ==================================================================== analysis
-def _check_spans(spans: Iterable[Span]) -> List[Span]:
-    spans = list(spans)
-    for s in spans:
-        if not isinstance(s, Span):
-            raise TypeError(f"spans must hold Span objects, got {type(s).__name__}")
-        if s.kind not in KINDS:
-            raise ValueError(f"span kind must be one of {KINDS}, got {s.kind!r} ({s})")
-        if not s.end >= s.start:
-            raise ValueError(f"span end must be >= start, got start={s.start}, end={s.end} ({s})")
-    return spans
-
-
-def _fraction(hidden: float, t_comm: float, t_compute: float) -> float:
-    m = min(t_comm, t_compute)
-    return hidden / m if m > 0 else 0.0
-
-
-def _rank_stats(spans: List[Span]) -> Dict[str, float]:
-    comp = _union((s.start, s.end) for s in spans if s.kind == "compute")
-    comm = _union((s.start, s.end) for s in spans if s.kind == "comm")
-    t_compute, t_comm = _length(comp), _length(comm)
-    hidden = _length(_intersection(comm, comp))
-    return {"T_compute": t_compute, "T_comm": t_comm, "hidden": hidden, "exposed": t_comm - hidden,
-            "overlap_fraction": _fraction(hidden, t_comm, t_compute), "T_step": t_compute + t_comm - hidden,
-            "wall": max(s.end for s in spans) - min(s.start for s in spans)}
-
-
-def _group_stats(spans: List[Span]) -> Dict[str, Any]:
-    """Stats of one group of spans: per rank, their mean over ranks, and per phase."""
-    by_rank: Dict[int, List[Span]] = {}
-    for s in spans:
-        by_rank.setdefault(s.rank, []).append(s)
-    per_rank = {r: _rank_stats(by_rank[r]) for r in sorted(by_rank)}
-    n = len(per_rank)
-    mean = {k: (sum(st[k] for st in per_rank.values()) / n if n else 0.0)
-            for k in ("T_compute", "T_comm", "hidden", "exposed")}
-    mean["overlap_fraction"] = _fraction(mean["hidden"], mean["T_comm"], mean["T_compute"])
-    mean["T_step"] = mean["T_compute"] + mean["T_comm"] - mean["hidden"]
-    mean["wall"] = (max(s.end for s in spans) - min(s.start for s in spans)) if spans else 0.0
-    slowest = max(per_rank, key=lambda r: (per_rank[r]["wall"], -r)) if per_rank else None
-
-    # Per phase: its own union per rank; "overlapped" = the part covered by the other kind's union
-    # (for a comm phase, its hidden time; for a compute phase, the time it ran with comm in flight).
-    phases: Dict[Tuple[str, str], Dict[str, float]] = {}
-    for r, rs in by_rank.items():
-        unions = {k: _union((s.start, s.end) for s in rs if s.kind == k) for k in ("compute", "comm")}
-        for key in {(s.phase, s.kind) for s in rs}:
-            mine = [s for s in rs if (s.phase, s.kind) == key]
-            u = _union((s.start, s.end) for s in mine)
-            other = {"compute": unions["comm"], "comm": unions["compute"]}.get(key[1], [])
-            acc = phases.setdefault(key, {"time": 0.0, "overlapped": 0.0, "count": 0})
-            acc["time"] += _length(u)
-            acc["overlapped"] += _length(_intersection(u, other))
-            acc["count"] += len(mine)
-    phase_rows = []
-    for (phase, kind), acc in phases.items():
-        t, o = acc["time"] / n, acc["overlapped"] / n
-        phase_rows.append({"phase": phase, "kind": kind, "time": t, "overlapped": o, "exposed": t - o,
-                           "count": acc["count"]})
-    phase_rows.sort(key=lambda p: (_TRACK_ORDER.get(p["kind"], 9), -p["time"], p["phase"]))
-    return {**mean, "num_ranks": n, "num_spans": len(spans), "slowest_rank": slowest,
-            "per_rank": per_rank, "phases": phase_rows}
-
-
-def overlap_report(spans: Iterable[Span]) -> Dict[str, Any]:
-    """Hidden vs exposed communication, overall and per (layer, direction).
-
-    Args:
-        spans: Spans of one or many ranks (e.g. ``Timeline.gather()``); seconds.
-    Returns: {"overall": stats, "layers": [{"layer": L, "direction": d, **stats}, ...]} (sorted), where
-        stats = {"T_compute", "T_comm", "hidden", "exposed", "T_step": means over the ranks present;
-        "overlap_fraction": hidden / min(T_comm, T_compute) of those means (0 if the min is 0);
-        "wall": last end - first start over all ranks; "num_ranks", "num_spans";
-        "slowest_rank": rank with the largest own wall (None if no spans);
-        "per_rank": {rank: the same keys for that rank alone};
-        "phases": [{"phase", "kind", "time" (union, mean over ranks), "overlapped" (covered by the
-                    other kind: hidden for comm phases), "exposed", "count"}]}.
-    Region spans count only towards "wall". Example: compute [0, 2], comm [1, 4] on one rank ->
-    T_compute 2, T_comm 3, hidden 1, exposed 2, overlap_fraction 0.5, T_step 4, wall 4.
-    """
-    spans = _check_spans(spans)
-    groups: Dict[Tuple[int, str], List[Span]] = {}
-    for s in spans:
-        groups.setdefault((s.layer, s.direction), []).append(s)
-    layers = [{"layer": layer, "direction": d, **_group_stats(groups[(layer, d)])}
-              for layer, d in sorted(groups, key=lambda k: (k[0], DIRECTIONS.index(k[1])
-                                                            if k[1] in DIRECTIONS else 9, k[1]))]
-    return {"overall": _group_stats(spans), "layers": layers}
-
-
-def _ms(x: float) -> str:
-    return f"{x * 1e3:.2f}"
-
-
-def format_report(report: Dict[str, Any], *, width: int = 110) -> str:
-    """A short text rendering (rich tables, no colour) of ``overlap_report``'s result; times in ms."""
-    from rich.console import Console
-    from rich.table import Table
-
-    summary = Table(title="moe_comm overlap (ms, mean over ranks)", title_justify="left")
-    for col in ("layer", "dir", "T_compute", "T_comm", "hidden", "exposed", "overlap", "T_step", "wall",
-                "slowest"):
-        summary.add_column(col, justify="left" if col in ("layer", "dir") else "right")
-
-    def row(label: str, d: str, st: Dict[str, Any]) -> None:
-        summary.add_row(label, d, _ms(st["T_compute"]), _ms(st["T_comm"]), _ms(st["hidden"]),
-                        _ms(st["exposed"]), f"{st['overlap_fraction'] * 100:.0f}%", _ms(st["T_step"]),
-                        _ms(st["wall"]), "-" if st["slowest_rank"] is None else f"rank {st['slowest_rank']}")
-
-    for st in report["layers"]:
-        row(str(st["layer"]), st["direction"], st)
-    row("all", "", report["overall"])
-
-    phases = Table(title="phases (all layers, ms, mean over ranks)", title_justify="left")
-    for col in ("phase", "kind", "time", "overlapped", "exposed", "spans"):
-        phases.add_column(col, justify="left" if col in ("phase", "kind") else "right")
-    for p in report["overall"]["phases"]:
-        phases.add_row(p["phase"], p["kind"], _ms(p["time"]), _ms(p["overlapped"]), _ms(p["exposed"]),
-                       str(p["count"]))
-
-    console = Console(file=io.StringIO(), width=width, color_system=None, force_terminal=False)
-    console.print(summary)
-    console.print(phases)
-    return console.file.getvalue()
-
-
-def to_chrome_trace(spans: Iterable[Span], path: Optional[str] = None) -> Dict[str, Any]:
-    """Chrome Trace Event Format (opens in Perfetto / chrome://tracing).
-
-    One process per rank (pid = rank, named "rank N"), one thread per track (tid 0 "compute",
-    1 "comm", 2 "region", then other track names), one "X" (complete) event per span with ts/dur in
-    microseconds from the earliest span. Example: Span(rank=1, phase="dispatch", chunk=0, kind="comm",
-    start=t0 + 0.001, end=t0 + 0.003) -> {"ph": "X", "pid": 1, "tid": 1, "name": "dispatch c0",
-    "ts": 1000.0, "dur": 2000.0, ...}.
-
-    Args:
-        spans: Spans of any ranks. path: where to write the JSON (None: do not write).
-    Returns: the trace dict ({"traceEvents": [...], "displayTimeUnit": "ms"}).
-    """
-    spans = _check_spans(spans)
-    t0 = min((s.start for s in spans), default=0.0)
-    tracks = {name: tid for name, tid in _TRACK_ORDER.items()}
-    for name in sorted({s.track for s in spans} - set(tracks)):
-        tracks[name] = len(tracks)
-    events: List[Dict[str, Any]] = []
-    for rank in sorted({s.rank for s in spans}):
-        events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}})
-        events.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
-        for name in sorted({s.track for s in spans if s.rank == rank}, key=tracks.__getitem__):
-            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tracks[name],
-                           "args": {"name": name}})
-            events.append({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tracks[name],
-                           "args": {"sort_index": tracks[name]}})
-    for s in sorted(spans, key=lambda s: (s.rank, s.start)):
-        name = s.phase + (f" c{s.chunk}" if s.chunk >= 0 else "") + (" (bwd)" if s.direction == "bwd" else "")
-        events.append({"ph": "X", "name": name, "cat": s.kind, "pid": s.rank, "tid": tracks[s.track],
-                       "ts": (s.start - t0) * 1e6, "dur": (s.end - s.start) * 1e6,
-                       "args": {"layer": s.layer, "phase": s.phase, "chunk": s.chunk, "direction": s.direction,
-                                "kind": s.kind}})
-    trace = {"traceEvents": events, "displayTimeUnit": "ms"}
-    if path is not None:
-        with open(path, "w") as f:
-            json.dump(trace, f)
-    return trace
+def __getattr__(name: str):
+    # Bridge for callers that still import the analysis and export functions from here; they live in
+    # analysis.py / export.py now (import them from moe_comm.profiling). Lazy: those modules import this one.
+    if name == "overlap_report":
+        from moe_comm.profiling.analysis import overlap_report
+        return overlap_report
+    if name in ("format_report", "to_chrome_trace"):
+        from moe_comm.profiling import export
+        return getattr(export, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

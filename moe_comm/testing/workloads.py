@@ -22,11 +22,11 @@ really means 40% in expectation, for any K.
 from __future__ import annotations
 
 import inspect
-import math
 from typing import Callable, Dict, Tuple
 
 import torch
 
+from moe_comm._checks import check_float, check_fraction, check_int, check_tensor
 from moe_comm.routing import count_tokens  # noqa: F401  (re-exported: generators' users count with it)
 
 __all__ = [
@@ -43,16 +43,9 @@ def _uniform_shares(num_experts: int, step: int) -> torch.Tensor:
 
 
 def _zipf_shares(num_experts: int, step: int, *, s: float = 1.2) -> torch.Tensor:
-    if not (isinstance(s, (int, float)) and math.isfinite(s) and s >= 0):
-        raise ValueError(f"zipf: s must be a finite number >= 0, got {s!r}")
-    w_E = torch.arange(1, num_experts + 1, dtype=torch.float64).pow(-float(s))
+    s = check_float("zipf: s", s, 0.0)
+    w_E = torch.arange(1, num_experts + 1, dtype=torch.float64).pow(-s)
     return w_E / w_E.sum()
-
-
-def _check_p(name: str, p) -> float:
-    if not (isinstance(p, (int, float)) and 0.0 <= p <= 1.0):
-        raise ValueError(f"{name}: p must be a fraction in [0, 1], got {p!r}")
-    return float(p)
 
 
 def _hot_set_shares(num_experts: int, hot_E: torch.Tensor, p: float) -> torch.Tensor:
@@ -67,46 +60,41 @@ def _hot_set_shares(num_experts: int, hot_E: torch.Tensor, p: float) -> torch.Te
     return q_E
 
 
-def _check_count(name: str, arg: str, value, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(f"{name}: {arg} must be an int in [{low}, {high}], got {value!r}")
-    return value
-
-
 def _hot_experts_shares(num_experts: int, step: int, *, k: int = 2, p: float = 0.5) -> torch.Tensor:
-    k = _check_count("hot_experts", "k", k, 1, num_experts)
+    k = check_int("hot_experts: k", k, 1, high=num_experts)
     hot_E = torch.zeros(num_experts, dtype=torch.bool)
     hot_E[:k] = True  # experts 0 .. k-1 are hot
-    return _hot_set_shares(num_experts, hot_E, _check_p("hot_experts", p))
+    return _hot_set_shares(num_experts, hot_E, check_fraction("hot_experts: p", p))
 
 
 def _hot_rank_shares(num_experts: int, step: int, *, rank: int = 0, num_ranks: int = 2,
                      p: float = 0.5) -> torch.Tensor:
-    num_ranks = _check_count("hot_rank", "num_ranks", num_ranks, 1, num_experts)
+    num_ranks = check_int("hot_rank: num_ranks", num_ranks, 1, high=num_experts)
     if num_experts % num_ranks:
         raise ValueError(f"hot_rank: num_experts ({num_experts}) must be divisible by num_ranks, got {num_ranks}")
-    rank = _check_count("hot_rank", "rank", rank, 0, num_ranks - 1)
+    rank = check_int("hot_rank: rank", rank, 0, high=num_ranks - 1)
     e = num_experts // num_ranks
     hot_E = torch.zeros(num_experts, dtype=torch.bool)
     hot_E[rank * e:(rank + 1) * e] = True
-    return _hot_set_shares(num_experts, hot_E, _check_p("hot_rank", p))
+    return _hot_set_shares(num_experts, hot_E, check_fraction("hot_rank: p", p))
 
 
 def drifting_hot_set(num_experts: int, step: int, hot: int = 2, period: int = 10) -> torch.Tensor:
     """[hot] int64 ids of the hot experts of ``drifting`` at ``step``: ``hot`` experts spaced E / hot
     apart, all moving up by one expert (mod E) every ``period`` steps.
     Example (E=8, hot=2, period=10): steps 0-9 -> [0, 4]; steps 10-19 -> [1, 5]; step 80 -> [0, 4]."""
+    check_int("drifting: num_experts", num_experts, 1)
+    check_int("drifting: step", step, 0)
+    check_int("drifting: hot", hot, 1, high=num_experts)
+    check_int("drifting: period", period, 1)
     return (torch.arange(hot, dtype=torch.int64) * num_experts // hot + step // period) % num_experts
 
 
 def _drifting_shares(num_experts: int, step: int, *, hot: int = 2, period: int = 10,
                      p: float = 0.5) -> torch.Tensor:
-    hot = _check_count("drifting", "hot", hot, 1, num_experts)
-    if isinstance(period, bool) or not isinstance(period, int) or period < 1:
-        raise ValueError(f"drifting: period must be an int >= 1, got {period!r}")
     hot_E = torch.zeros(num_experts, dtype=torch.bool)
-    hot_E[drifting_hot_set(num_experts, step, hot, period)] = True
-    return _hot_set_shares(num_experts, hot_E, _check_p("drifting", p))
+    hot_E[drifting_hot_set(num_experts, step, hot, period)] = True  # checks hot and period
+    return _hot_set_shares(num_experts, hot_E, check_fraction("drifting: p", p))
 
 
 _SHARES: Dict[str, Callable[..., torch.Tensor]] = {
@@ -138,9 +126,9 @@ def _check_name_params(name: str, params: Dict[str, object]) -> None:
 
 
 def _check_sizes(num_tokens: int, num_experts: int, top_k: int) -> None:
-    for arg, value, low in (("num_tokens", num_tokens, 0), ("num_experts", num_experts, 1), ("top_k", top_k, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{arg} must be an int >= {low}, got {value!r}")
+    check_int("num_tokens", num_tokens, 0)
+    check_int("num_experts", num_experts, 1)
+    check_int("top_k", top_k, 1)
     if top_k > num_experts:
         raise ValueError(f"top_k must be <= num_experts ({num_experts}), got {top_k}")
 
@@ -179,10 +167,8 @@ def expected_shares(name: str, num_experts: int, top_k: int, step: int = 0, **pa
 
 
 def _generator(seed: int, step: int) -> torch.Generator:
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an int, got {seed!r}")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    check_int("seed", seed)
+    check_int("step", step, 0)
     # One stream per (seed, step): a 64-bit mix so that neighbouring seeds and steps do not collide.
     mixed = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) % (2 ** 63)
     return torch.Generator().manual_seed(mixed)
@@ -293,8 +279,7 @@ def routing_logits(topk_idx_TK: torch.Tensor, num_experts: int, seed: int = 0,
     Chosen experts get logits in [1, 2] (decreasing with the column), the others in [-1, 0).
     Example (E=4, idx [[2, 0]]): logits[0] = [1.5, ~-0.6, 2.0, ~-0.2].
     """
-    if topk_idx_TK.dim() != 2:
-        raise ValueError(f"topk_idx_TK must be 2-D [T, K], got shape {tuple(topk_idx_TK.shape)}")
+    check_tensor("topk_idx_TK", topk_idx_TK, dim=2, integer=True)
     T, K = topk_idx_TK.shape
     g = torch.Generator().manual_seed(seed)
     logits_TE = -torch.rand(T, num_experts, generator=g, dtype=torch.float64)

@@ -18,14 +18,14 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, List
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
 
 from moe_comm.dispatch.dispatcher import Dispatcher
 
-__all__ = ["timed", "slowest_median", "BenchPoint", "measure_dispatch", "self_check_dispatch", "payload", "bench_rank", "grid_points"]
+__all__ = ["timed", "slowest_median", "BenchPoint", "measure_dispatch", "bench_rank", "grid_points"]
 
 
 @dataclass
@@ -75,54 +75,6 @@ def slowest_median(samples: List[float], group) -> float:
     t = torch.tensor([statistics.median(samples)], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t)
-
-
-def payload(rank: int, num_tokens: int, hidden: int, dtype=torch.float32) -> torch.Tensor:
-    """Self-describing rows [T, H]: column 0 = source rank, column 1 = token id, the rest a function of
-    both (exact in bf16 for small values), so any misrouted row names where it came from."""
-    t = torch.arange(num_tokens, dtype=torch.float64)[:, None]
-    h = torch.arange(hidden, dtype=torch.float64)[None, :]
-    x = (rank * 7 + t * 3 + h) % 61
-    x[:, 0] = rank
-    if hidden > 1:
-        x[:, 1] = t[:, 0]
-    return x.to(dtype)
-
-
-def self_check_dispatch(dispatcher: Dispatcher, routing_of: Callable[[int], torch.Tensor],
-                        tokens_of: Callable[[int], int], hidden: int, dtype=torch.float32) -> int:
-    """Dispatch ``payload`` rows and check every received row against all ranks' routing.
-
-    routing_of(r) / tokens_of(r): rank r's topk_idx_TK and token count (known on every rank).
-    Checks that each local expert receives exactly the (source rank, token) pairs that chose it,
-    ordered by source rank then token, with the full row intact; then that combine with an
-    identity expert returns the weighted sum of the token's rows. Returns the rows received.
-    Raises AssertionError naming the first wrong row.
-    """
-    rank, W, e = dispatcher.rank, dispatcher.world_size, dispatcher.num_local_experts
-    x_TH = payload(rank, tokens_of(rank), hidden, dtype)
-    topk_idx_TK = routing_of(rank)
-    out = dispatcher.dispatch(x_TH, topk_idx_TK)
-    start = 0
-    for j, n in enumerate(out.counts):
-        g = rank * e + j
-        expected = [(s, t) for s in range(W) for t in (routing_of(s) == g).any(1).nonzero().flatten().tolist()]  # host sync: self-check, off the hot path
-        rows = out.tokens[start:start + n]
-        got = [(int(a), int(b)) for a, b in rows[:, :2].tolist()]  # host sync: self-check, off the hot path
-        if got != expected:
-            raise AssertionError(f"rank {rank} expert {g}: received (rank, token) {got[:8]}..., "
-                                 f"expected {expected[:8]}...")
-        for (s, t), row in zip(expected, rows):
-            if not torch.equal(row, payload(s, t + 1, hidden, dtype)[t]):
-                raise AssertionError(f"rank {rank} expert {g}: row of (rank {s}, token {t}) corrupted")
-        start += n
-    weight_TK = torch.rand(topk_idx_TK.shape, generator=torch.Generator().manual_seed(rank))
-    y_TH = dispatcher.combine(out.tokens, weight_TK, out.handle)
-    valid = (topk_idx_TK >= 0).to(weight_TK.dtype)
-    expected_y = x_TH.double() * (weight_TK * valid).sum(1, keepdim=True).double()
-    if not torch.allclose(y_TH.double(), expected_y, rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-5):
-        raise AssertionError(f"rank {rank}: combine of identity experts is not the weighted sum of the token")
-    return out.tokens.shape[0]
 
 
 def measure_dispatch(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor,
@@ -184,7 +136,7 @@ def measure_dispatch(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_
             for k, v in times.items():
                 samples[k].append(v)
     med = {k: slowest_median(v, group) for k, v in samples.items()}
-    if plan.direct:
+    if handle.direct:
         med["regroup"] = 0.0  # rows arrive in expert-major order: no regroup pass
     d, c, r = med["dispatch"], med["combine"], med["a2a"]
     nbytes = plan.num_rows * H * x_TH.element_size()
@@ -195,7 +147,7 @@ def measure_dispatch(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_
                       dispatch_gbps=nbytes / d / 1e9, combine_gbps=nbytes / c / 1e9, raw_gbps=nbytes / r / 1e9,
                       dispatch_vs_raw=r / d, combine_vs_raw=r / c, tokens_per_s=T / (d + c),
                       end_to_end_vs_raw=2 * r / (d + c), bytes_per_pair=nbytes // max(W, 1),
-                      phases_s={k: med[k] for k in phases}, direct=plan.direct,
+                      phases_s={k: med[k] for k in phases}, direct=handle.direct,
                       serial_limit_vs_raw=2 * r / (med["min_dispatch"] + med["min_combine"]))
 
 

@@ -23,7 +23,8 @@ def _demo_rank(rank: int, world_size: int, args: dict) -> dict:
     import torch.distributed as dist
 
     import moe_comm
-    from moe_comm.tools.bench import measure_dispatch, self_check_dispatch
+    from moe_comm.testing.payloads import self_check_dispatch
+    from moe_comm.tools.bench import measure_dispatch
 
     E, K, T, H = args["experts"], args["top_k"], args["tokens"], args["hidden"]
 
@@ -196,14 +197,13 @@ def _print_bench(points: List[dict]) -> None:
 
 def _plot_bench(points: List[dict], path: str) -> None:
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError:
         raise SystemExit("error: --plot needs matplotlib: pip install 'moe_comm[plot]'")
     pts = sorted(points, key=lambda p: p["bytes_per_pair"])
     x = [p["bytes_per_pair"] / 2 ** 20 for p in pts]
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig = Figure(figsize=(8, 5))  # no pyplot, no matplotlib.use: the caller's backend is untouched
+    ax = fig.subplots()
     ax.plot(x, [p["raw_gbps"] for p in pts], "k--o", label="raw all_to_all_single (same bytes)")
     ax.plot(x, [p["dispatch_gbps"] for p in pts], "-o", label="moe_comm dispatch")
     ax.plot(x, [p["combine_gbps"] for p in pts], "-s", label="moe_comm combine")
@@ -217,7 +217,6 @@ def _plot_bench(points: List[dict], path: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:

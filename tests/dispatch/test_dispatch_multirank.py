@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import moe_comm
-from moe_comm.tools.bench import self_check_dispatch
+from moe_comm.testing.payloads import self_check_dispatch
 
 H = 12
 
@@ -38,7 +38,7 @@ def _rank_dispatch(rank, world_size, seed, E, K, drop, one_expert_rank, dtype, d
     d = _dispatcher(E, direct)
     routing_of = _routing(seed, E, K, drop, one_expert_rank)
     received = self_check_dispatch(d, routing_of, _tokens, H, dtype)
-    took = d.dispatch(payload_rows(rank, dtype), routing_of(rank)).handle.chunks[0].direct
+    took = d.dispatch(payload_rows(rank, dtype), routing_of(rank)).handle.direct
     return received, took
 
 
@@ -75,7 +75,7 @@ def _rank_gradients(rank, world_size, direct, backend):
     e = d.num_local_experts
     scale_R = torch.repeat_interleave(torch.arange(rank * e, rank * e + e, dtype=torch.float64) + 1,
                                       out.tokens_per_expert, output_size=out.tokens.shape[0])
-    assert out.handle.chunks[0].direct == direct
+    assert out.handle.direct == direct
     y = d.combine(out.tokens * scale_R[:, None], w, out.handle)
     y.sum().backward()
     factor = (idx + 1).double()
@@ -114,7 +114,7 @@ def _rank_direct_equals_a2a(rank, world_size, iters):
             d = table.setdefault(E, _dispatcher(E, use_direct))
             xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
             out = d.dispatch(xg, idx)
-            assert out.handle.chunks[0].direct == (use_direct and E > world_size)
+            assert out.handle.direct == (use_direct and E > world_size)
             y = d.combine(out.tokens * 2 + 1, wg, out.handle)
             y.square().sum().backward()
             results.append((out.tokens.detach(), y.detach(), xg.grad, wg.grad))
@@ -150,7 +150,9 @@ def test_dispatch_combine_timeline_spans(ranks, direct):
         expected = {("layout", "compute", "fwd"), ("permute", "compute", "fwd"), ("counts", "comm", "fwd"),
                     ("unpermute", "compute", "fwd"),
                     ("dispatch", "comm", "fwd"), ("combine", "comm", "fwd"),
-                    ("combine", "comm", "bwd"), ("dispatch", "comm", "bwd")}
+                    ("combine", "comm", "bwd"), ("dispatch", "comm", "bwd"),
+                    # control exchanges: combine's argument check, each backward's check-in
+                    ("control", "comm", "fwd"), ("control", "comm", "bwd")}
         if not direct:
             expected |= {("regroup", "compute", d) for d in ("fwd", "bwd")}
         assert set(phases) == expected, phases

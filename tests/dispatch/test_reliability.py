@@ -184,7 +184,7 @@ def _fault_rank(rank, world_size, init_file, mode, path, q):
             d(x, idx, torch.ones(idx.shape), expert_fn)
         else:
             out = d.dispatch(x, idx)
-            assert out.handle.chunks[0].direct
+            assert out.handle.direct
             d.combine(expert_fn(out.tokens, out.tokens_per_expert), torch.ones(idx.shape), out.handle)
         q.put((rank, "no error", time.perf_counter() - t0, d.workspace.nbytes()))
     except CollectiveError as e:
@@ -218,9 +218,9 @@ def test_dead_or_stuck_peer_raises_within_timeout(tmp_path, mode, world_size, pa
     assert sorted(got) == [r for r in range(world_size) if r != 1]  # every survivor reported
     for rank, (msg, elapsed, workspace_bytes) in got.items():
         assert workspace_bytes == 0, (rank, workspace_bytes)
-        # Survivors fail in the combine (they wait for rank 1's expert output) or, with a dead peer
-        # whose socket closed, wherever they were.
-        where = "of chunk 0" if path == "pipeline" else "combine point-to-point transfer (fwd)"
+        # Survivors fail where they wait for rank 1: its expert output in the pipeline, the combine's
+        # control exchange (every rank checks in before combine rows move) on the direct path.
+        where = "of chunk 0" if path == "pipeline" else "combine control exchange (fwd)"
         assert f"EP rank {rank}" in msg and where in msg, msg
         assert elapsed < 3.0 + 5.0, (rank, elapsed)  # the timeout plus a margin for scheduling
 
@@ -269,7 +269,10 @@ def test_layer_input_error_on_one_rank_raises_everywhere(ranks, world_size):
 
 
 def _rank_mismatch(rank, world_size, what):
-    d = moe_comm.Dispatcher(num_experts=4, direct_min_bytes=0 if rank == 1 and what == "threshold" else 1 << 20)
+    try:  # settings every call depends on are agreed when the Dispatcher is built
+        d = moe_comm.Dispatcher(num_experts=4, direct_min_bytes=0 if rank == 1 and what == "threshold" else 1 << 20)
+    except ValueError as e:
+        return str(e)
     x, idx = _good(rank)
     if rank == 1 and what == "hidden":
         x = x[:, :6].contiguous()
@@ -287,7 +290,8 @@ def _rank_mismatch(rank, world_size, what):
 @pytest.mark.multirank
 @pytest.mark.parametrize("what,needle", [("hidden", "row bytes (H x element size): 24 on ranks [1], 32 on ranks [0]"),
                                          ("dtype", "dtype: float16 on ranks [1], bfloat16 on ranks [0]"),
-                                         ("threshold", "direct_min_bytes: 0 on ranks [1], 1048576 on ranks [0]")])
+                                         ("threshold", "direct_min_bytes differs across the EP group: 0 on ranks [1], "
+                                                       "1048576 on ranks [0]")])
 def test_rows_of_different_size_or_dtype_raise_everywhere(ranks, what, needle):
     for e in ranks(2).run(_rank_mismatch, what):
         assert e is not None and needle in e, e

@@ -403,6 +403,17 @@ def test_bad_inputs_name_the_argument(backend):
         unpermute(y, layout, [[1.0, 1.0]] * 3, backend=backend)
     with pytest.raises(ValueError, match="backend"):
         permute(x, layout, backend="cuda")
+    with pytest.raises(ValueError, match=r"out must have shape \[5, 2\], got \(4, 2\)"):
+        permute(x, layout, backend=backend, out=torch.zeros(4, 2))
+    with pytest.raises(TypeError, match="out must have x_TH's dtype float32"):
+        permute(x, layout, backend=backend, out=torch.zeros(5, 2, dtype=torch.float64))
+    index, inverse = torch.tensor([2, 0, 1]), torch.tensor([1, 2, 0])
+    with pytest.raises(ValueError, match=r"index_R must have shape \[3\] \(R from x_RH\), got \(2,\)"):
+        gather_rows(x, index[:2], inverse, backend=backend)
+    with pytest.raises(TypeError, match="inverse_R must be an integer tensor"):
+        gather_rows(x, index, inverse.float(), backend=backend)
+    with pytest.raises(TypeError, match="x_RH must be a floating-point tensor"):
+        gather_rows(x.long(), index, inverse, backend=backend)
 
 
 @pytest.mark.parametrize("backend", LAYOUT_BACKENDS)

@@ -122,9 +122,9 @@ def test_errors():
         plan_placement([[1.0, float("nan")]], 2)
     with pytest.raises(ValueError, match=r"\[L, E\]"):
         plan_placement(np.ones((2, 2, 2)), 2)
-    with pytest.raises(ValueError, match="num_ranks must be an int >= 1"):
+    with pytest.raises(ValueError, match="plan_placement: num_ranks must be >= 1"):
         plan_placement([[1.0, 1.0]], 0)
-    with pytest.raises(ValueError, match="num_replicas must be an int >= 0"):
+    with pytest.raises(ValueError, match="plan_placement: num_replicas must be >= 0"):
         plan_placement([[1.0, 1.0]], 2, -2)
 
 

@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
-from moe_comm.profiling.timeline import (Span, Timeline, _intersection, _length, _union, format_report, overlap_report,
-                                to_chrome_trace)
+from moe_comm.profiling import Span, Timeline, format_report, overlap_report, to_chrome_trace
+from moe_comm.profiling.analysis import _intersection, _length, _union
 
 
 def S(rank, kind, start, end, phase=None, layer=0, direction="fwd", chunk=-1, track=None):
@@ -210,6 +210,22 @@ def test_compute_spans_and_profiler_labels():
     with pytest.raises(ValueError, match="direction"):
         tl.compute("experts", direction="forward")
     tl.reset()
+    assert tl.spans() == []
+
+
+def test_bad_arguments_name_the_argument():
+    """Tier 1: constructor and recording arguments are checked when given, naming the argument."""
+    with pytest.raises(ValueError, match="rank must be >= 0, got -1"):
+        Timeline(rank=-1)
+    with pytest.raises(TypeError, match="layer must be an int, got 1.5"):
+        Timeline(layer=1.5)
+    tl = Timeline(enabled=True)
+    with pytest.raises(ValueError, match=r"chunk \(-1: not chunked\) must be >= -1, got -2"):
+        tl.compute("experts", chunk=-2)
+    with pytest.raises(TypeError, match="layer must be an int"):
+        tl.region("forward", layer="0")
+    with pytest.raises(TypeError, match=r"start \(a perf_counter float from mark\(\).*got 'now'"):
+        tl.comm("dispatch", None, start="now")
     assert tl.spans() == []
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moe_comm.config import MoEConfig
-from moe_comm.routing import Router, route
+from moe_comm.routing import Router, count_tokens, route
 
 H = 16
 
@@ -418,6 +418,11 @@ def test_valid_config_builds():
     (dict(hidden_size=True), TypeError, "hidden_size"),
     (dict(num_groups=True, topk_groups=1), TypeError, "num_groups"),
     (dict(num_shared_experts=False), TypeError, "num_shared_experts"),
+    (dict(norm_topk_prob=1), TypeError, "norm_topk_prob"),
+    (dict(num_chunks="Auto"), ValueError, "num_chunks"),
+    (dict(route_scale="2"), TypeError, "route_scale"),
+    (dict(capacity_factor=float("inf")), ValueError, "capacity_factor"),
+    (dict(aux_loss_coeff=True), TypeError, "aux_loss_coeff"),
 ])
 def test_config_errors_name_the_field(changes, exc, field):
     with pytest.raises(exc, match=rf"\b{field}\b"):
@@ -432,3 +437,19 @@ def test_config_is_keyword_only_and_frozen():
         cfg.top_k = 3
     with pytest.raises(ValueError, match="top_k"):
         cfg.replace(top_k=9)
+
+
+def test_route_and_count_tokens_bad_inputs_name_the_argument():
+    cfg = _cfg(8, 2)
+    with pytest.raises(ValueError, match=r"logits_TE must have shape \[\*, 8\].*got \(3, 7\)"):
+        route(torch.zeros(3, 7), cfg)
+    with pytest.raises(TypeError, match="logits_TE must be a floating-point tensor"):
+        route(torch.zeros(3, 8, dtype=torch.int64), cfg)
+    with pytest.raises(ValueError, match=r"expert_bias_E must have shape \[8\]"):
+        route(torch.zeros(3, 8), cfg, torch.zeros(7))
+    with pytest.raises(TypeError, match="cfg must be a MoEConfig"):
+        route(torch.zeros(3, 8), {"top_k": 2})
+    with pytest.raises(TypeError, match=r"topk_idx_TK must have dtype in \(int64\), got torch.float32"):
+        count_tokens(torch.zeros(3, 2), 8)
+    with pytest.raises(ValueError, match="num_experts must be >= 1, got 0"):
+        count_tokens(torch.zeros(3, 2, dtype=torch.int64), 0)

@@ -1,11 +1,15 @@
-"""`moe-comm profile` (moe_comm.tools.diagnose).
+"""`moe-comm profile` (the package moe_comm.tools.diagnose).
 
 Tier 1 (pure logic, no processes): ``diagnose`` on synthetic results with hand-computed spans (every
-finding's numbers, each branch of the suggestion logic, its predicted gain against autochunk's model),
-``format_diagnosis``, ``plot_timeline`` on synthetic spans, option checking.
+finding's numbers, each branch of the suggestion logic, every predicted gain against
+``autotune.predict_step`` / ``choose_num_chunks`` with the measured overlap efficiency eta),
+``format_diagnosis``, ``plot_timeline`` on synthetic spans (and that it leaves pyplot unloaded), option
+checking, and ``python -m moe_comm.tools.diagnose`` as the namespace re-launch builds it (one child
+Python, no ranks).
 Tier 2 (multi-rank gloo, 2 spawned ranks): ``profile_main`` end to end on tiny sizes with a skewed
-workload: the three files exist and parse, figures are positive, rows are conserved, and the diagnosis'
-communication share is what the Chrome trace's own spans give. ~8 s.
+workload: the three files exist and parse, figures are positive, rows are conserved, the diagnosis'
+communication share is what the Chrome trace's own spans give, and the model behind the suggestion is
+``predict_step`` with the eta the run measured. ~8 s.
 """
 from __future__ import annotations
 
@@ -13,13 +17,18 @@ import dataclasses
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 
 from moe_comm.dispatch.autotune import choose_num_chunks, predict_step
-from moe_comm.tools.diagnose import (MIN_GAIN_SHARE, Diagnosis, _model_step, _sub_lanes, diagnose, format_diagnosis,
-                               normalize_opts, plot_timeline, profile_main)
-from moe_comm.profiling.timeline import Span
+from moe_comm.placement import plan_placement
+from moe_comm.profiling import Span
+from moe_comm.tools.diagnose import (MIN_GAIN_SHARE, Diagnosis, diagnose, format_diagnosis, normalize_opts,
+                                     plot_timeline, profile_main)
+from moe_comm.tools.diagnose.render import _sub_lanes
+from moe_comm.tools.diagnose.run import relaunch_command
 
 MS = 1e-3
 
@@ -45,9 +54,9 @@ def step_spans(rank, t0=0.0, compute_scale=1.0):
 
 
 def synth(*, W=2, steps=2, C=1, H=64, F=64, E=4, K=2, T=1000, elsize=4, alpha=1e-4, beta=1e9,
-          expert_fwd=2e-3, gemm_ratio=1.0, rows=None, ranks_per_token=1.5, kappa=1e-5, compute_scale=None,
-          bytes_scale=1.0):
-    """A profile_rank-shaped result. rows: rows received per rank (default: balanced T*K)."""
+          expert_fwd=2e-3, gemm_ratio=1.0, rows=None, kappa=1e-5, compute_scale=None, bytes_scale=1.0, eta=0.8):
+    """A profile_rank-shaped result. rows: rows received per rank (default: balanced T*K); eta: the
+    measured overlap efficiency."""
     rows = rows or [float(T * K)] * W
     compute_scale = compute_scale or [1.0] * W
     spans = [s for r in range(W) for k in range(steps)
@@ -60,13 +69,13 @@ def synth(*, W=2, steps=2, C=1, H=64, F=64, E=4, K=2, T=1000, elsize=4, alpha=1e
         ranks.append({"rank": r, "rows_sent": float(T * K), "rows_recv": R,
                       "rows_recv_per_expert": [R / (E // W)] * (E // W),
                       "bytes_sent": T * K * H * elsize * bytes_scale, "bytes_recv": R * H * elsize * bytes_scale,
-                      "ranks_per_token": ranks_per_token, "expert_rows": int(R), "expert_fwd_s": fwd,
-                      "expert_fwdbwd_s": 3 * fwd, "expert_flops": flops,
+                      "expert_rows": int(R), "expert_fwd_s": fwd, "expert_fwdbwd_s": 3 * fwd, "expert_flops": flops,
                       "gemm_s": fwd * gemm_ratio / 3.0, "gemm_flops": 2.0 * R * H * F, "kappa_s": kappa})
     opts = {"dtype": "float32", "workload": "uniform"}
     return {"opts": opts, "world_size": W, "steps": steps, "num_chunks": C, "element_size": elsize, "hidden": H,
             "ffn": F, "experts": E, "top_k": K, "tokens": T, "spans": spans, "step_s": [0.02] * steps,
-            "alpha_s": alpha, "beta_bytes_per_s": beta, "ranks": ranks}
+            "alpha_s": alpha, "beta_bytes_per_s": beta, "overlap_efficiency": eta, "overlap_probe_bytes": 64000,
+            "ranks": ranks}
 
 
 # ============================================================ tier 1: findings
@@ -125,80 +134,129 @@ def test_slow_rank_follows_expert_load():
 
 
 # ============================================================ tier 1: suggestions
+ALLOWED_ACTIONS = {"chunks", "rebalance", "tokens", "keep"}  # levers the library has today
+
+
 def _check_suggestion_consistent(d: Diagnosis):
     s = d.suggestion
+    assert s.action in ALLOWED_ACTIONS
     assert s.predicted_step_s == pytest.approx(d.step_s - s.predicted_gain_s)
     gains = [a["gain_s"] for a in s.alternatives]
     assert gains == sorted(gains, reverse=True)
     if s.action != "keep":
-        assert s.alternatives[0]["action"] == s.action and s.predicted_gain_s == pytest.approx(gains[0])
+        chosen = [a for a in s.alternatives if a["action"] == s.action]
+        assert len(chosen) == 1 and s.predicted_gain_s == pytest.approx(chosen[0]["gain_s"])
         assert s.predicted_gain_s >= MIN_GAIN_SHARE * d.step_s
+        if s.action == "tokens":  # the fallback: no lever that keeps the batch reaches the threshold
+            assert all(a["gain_s"] < MIN_GAIN_SHARE * d.step_s for a in s.alternatives if a["action"] != "tokens")
+        else:
+            assert s.predicted_gain_s == pytest.approx(max(a["gain_s"] for a in s.alternatives
+                                                           if a["action"] != "tokens"))
 
 
-def test_suggest_more_chunks():
-    """Tier 1: comm ~ compute, bandwidth-bound bf16: chunking hides more than FP8 saves."""
-    r = synth(elsize=2, expert_fwd=5e-3, beta=2e8, bytes_scale=1.0)
+def _model_inputs(r):
+    """What the suggestion feeds predict_step: slowest rank's experts, busiest rank's bytes, largest kappa."""
+    X = max(d["expert_fwd_s"] for d in r["ranks"])
+    B = max(max(d["bytes_sent"], d["bytes_recv"]) for d in r["ranks"])
+    kappa = max(d["kappa_s"] for d in r["ranks"])
+    return X, B, kappa
+
+
+def test_model_is_predict_step_with_the_measured_eta():
+    """Tier 1: the suggestion's model of the current step and its per-C predictions are predict_step /
+    choose_num_chunks with the result's overlap_efficiency, nothing else."""
+    for eta in (0.0, 0.35, 1.0):
+        for C in (1, 2, 3, 8):
+            r = synth(C=C, elsize=2, expert_fwd=5e-3, beta=2e8, eta=eta)
+            n = diagnose(r).suggestion.numbers
+            X, B, kappa = _model_inputs(r)
+            assert n["overlap_efficiency"] == eta
+            assert n["model_current_s"] == pytest.approx(predict_step(C, X, B, 1e-4, 2e8, kappa, overlap=eta))
+            if "predicted_s" in n:  # a chunks suggestion: every candidate C as choose_num_chunks predicts it
+                plan = choose_num_chunks(X, B, 1e-4, 2e8, kappa, overlap=eta)
+                assert {int(k): v for k, v in n["predicted_s"].items() if int(k) != C} == pytest.approx(
+                    {k: v for k, v in plan.predicted_s.items() if k != C})
+
+
+@pytest.mark.parametrize("eta", [0.0, 0.3, 0.6, 0.8, 1.0])
+def test_suggested_chunks_follow_the_measured_eta(eta):
+    """Tier 1: comm ~ compute, bandwidth-bound bf16. The suggested C is choose_num_chunks' C with the
+    measured eta; where eta is too low for chunking to pay (the model's C is 1), no chunk suggestion."""
+    r = synth(elsize=2, expert_fwd=5e-3, beta=2e8, eta=eta)
     d = diagnose(r)
     _check_suggestion_consistent(d)
     s = d.suggestion
-    assert s.action == "chunks" and s.numbers["best_C"] > 1 and "more chunks" in s.text
-    B = 2000 * 64 * 2
-    X = 5e-3
-    best = choose_num_chunks(X, B, 1e-4, 2e8, 1e-5).num_chunks
-    assert s.numbers["best_C"] == best
-    assert s.predicted_gain_s == pytest.approx(predict_step(1, X, B, 1e-4, 2e8, 1e-5)
-                                               - predict_step(best, X, B, 1e-4, 2e8, 1e-5))
-    assert {a["action"] for a in s.alternatives} == {"chunks", "fp8_dispatch"}
+    X, B, kappa = _model_inputs(r)
+    assert B == 2000 * 64 * 2 and X == 5e-3
+    want = choose_num_chunks(X, B, 1e-4, 2e8, kappa, overlap=eta).num_chunks
+    chunk_alts = [a for a in s.alternatives if a["action"] == "chunks"]
+    if want == 1:
+        assert not chunk_alts and s.action == "keep"
+    else:
+        assert s.action == "chunks" and s.numbers["best_C"] == want and "more chunks" in s.text
+        assert s.predicted_gain_s == pytest.approx(predict_step(1, X, B, 1e-4, 2e8, kappa, overlap=eta)
+                                                   - predict_step(want, X, B, 1e-4, 2e8, kappa, overlap=eta))
+
+
+def test_low_eta_turns_chunking_off():
+    """Tier 1: the same workload with eta = 0 (no real overlap) and eta = 1: chunking is suggested only
+    where the measured eta makes the model predict a gain."""
+    assert diagnose(synth(elsize=2, expert_fwd=5e-3, beta=2e8, eta=1.0)).suggestion.action == "chunks"
+    assert diagnose(synth(elsize=2, expert_fwd=5e-3, beta=2e8, eta=0.0)).suggestion.action == "keep"
 
 
 def test_suggest_fewer_chunks():
-    """Tier 1: latency-bound with C=8: every chunk pays alpha, so fewer chunks."""
-    d = diagnose(synth(C=8, alpha=5e-3, expert_fwd=1e-3))
+    """Tier 1: latency-bound with C=8: every chunk pays alpha, so fewer chunks (preferred over more tokens)."""
+    r = synth(C=8, alpha=5e-3, expert_fwd=1e-3)
+    d = diagnose(r)
     _check_suggestion_consistent(d)
-    assert d.suggestion.action == "chunks" and d.suggestion.numbers["best_C"] < 8 and "fewer" in d.suggestion.text
+    s = d.suggestion
+    assert s.action == "chunks" and s.numbers["best_C"] < 8 and "fewer" in s.text
+    X, B, kappa = _model_inputs(r)
+    assert s.numbers["best_C"] == choose_num_chunks(X, B, 5e-3, 1e9, kappa, overlap=0.8).num_chunks
     assert d.finding("link").numbers["regime"] == "latency"
+    assert {a["action"] for a in s.alternatives} == {"chunks", "tokens"}
 
 
 def test_suggest_rebalance():
-    """Tier 1: one rank receives 2x the mean rows on a latency-bound link (no FP8), C already best."""
+    """Tier 1: one rank receives 2x the mean rows, C already best: rebalance, with the gain of the
+    placement plan_placement really finds (not of a perfect balance)."""
     rows = [4000.0, 4000.0 / 3, 4000.0 / 3, 4000.0 / 3]
-    d = diagnose(synth(W=4, E=8, rows=rows, alpha=2e-2, expert_fwd=8e-3))
+    r = synth(W=4, E=8, rows=rows, alpha=2e-2, expert_fwd=8e-3)
+    d = diagnose(r)
     _check_suggestion_consistent(d)
     s = d.suggestion
     assert s.action == "rebalance", s
     assert s.numbers["load_max_over_mean"] == pytest.approx(2.0)
-    assert s.numbers["expert_fwd_balanced_s"] == pytest.approx(8e-3 / 2)
+    load_E = [2000.0, 2000.0] + [4000.0 / 6] * 6
+    R = s.numbers["num_replicas"]
+    assert R in (0, 4) and f"layer.rebalance({'num_replicas=4' if R else ''})" in s.text
+    top = float(plan_placement([load_E], 4, R).predicted_rank_load.max())
+    # without replicas the two hot experts go to two ranks with a cold one each: 2000 + 667 rows
+    assert float(plan_placement([load_E], 4, 0).predicted_rank_load.max()) == pytest.approx(2000 + 4000 / 6)
+    assert s.numbers["planned_max_over_mean"] == pytest.approx(top / 2000)
+    X_bal = 8e-3 * top / 4000
+    assert s.numbers["expert_fwd_balanced_s"] == pytest.approx(X_bal)
+    X, B, kappa = _model_inputs(r)
+    B_bal = max(2000 * 64 * 4, top * 64 * 4)
+    assert s.predicted_gain_s == pytest.approx(predict_step(1, X, B, 2e-2, 1e9, kappa, overlap=0.8)
+                                               - predict_step(1, X_bal, B_bal, 2e-2, 1e9, kappa, overlap=0.8))
+    assert "bias_update_rate" in s.text
 
 
-def test_suggest_fp8_dispatch():
-    """Tier 1: bandwidth-bound, experts negligible (chunking cannot hide anything): FP8 dispatch,
-    whose gain is the model's step with the forward dispatch at (H + 4 H/128) / (4 H) of its bytes."""
-    H = 256
-    d = diagnose(synth(H=H, F=64, expert_fwd=1e-5, beta=1e8))
+def test_suggest_more_tokens_when_latency_bound():
+    """Tier 1: latency-bound, C=1 already best, balanced: twice the tokens spread alpha and kappa; the
+    gain is per the current T tokens: predict_step(T) - predict_step(2T) / 2."""
+    r = synth(alpha=5e-3, expert_fwd=1e-3)
+    d = diagnose(r)
     _check_suggestion_consistent(d)
     s = d.suggestion
-    assert s.action == "fp8_dispatch", s
-    B = 2000 * H * 4
-    factor = (H + 4 * 2) / (H * 4)
-    assert s.numbers["bytes_factor"] == pytest.approx(factor)
-    X = 1e-5
-    want = predict_step(1, X, B, 1e-4, 1e8, 1e-5) - _model_step(1, X, (B * factor, B, B, B), 1e-4, 1e8, 1e-5)
-    assert s.predicted_gain_s == pytest.approx(want)
-    # no compute to hide behind: the gain is the forward dispatch's saved link time
-    assert s.predicted_gain_s == pytest.approx(B * (1 - factor) / 1e8, rel=1e-6)
-
-
-def test_suggest_group_limited_routing():
-    """Tier 1: 8 ranks of 4 experts, K=8, tokens reach 6.5 ranks: limiting them to 2 ranks (2 * 4 >= K)."""
-    d = diagnose(synth(W=8, E=32, K=8, T=250, expert_fwd=1e-5, beta=1e8, ranks_per_token=6.5))
-    _check_suggestion_consistent(d)
-    s = d.suggestion
-    assert s.action == "group_limited", s
-    assert s.numbers["topk_groups"] == 2 and s.numbers["num_groups"] == 8
-    B = 2000 * 64 * 4
-    assert s.numbers["bytes_dedup_now"] == pytest.approx(B * 6.5 / 8)
-    assert s.numbers["bytes_dedup_limited"] == pytest.approx(B * 2 / 8)
-    assert "num_groups=8, topk_groups=2" in s.text
+    assert s.action == "tokens", s
+    X, B, kappa = _model_inputs(r)
+    big = predict_step(1, 2 * X, 2 * B, 5e-3, 1e9, kappa, overlap=0.8)
+    assert s.numbers["predicted_big_step_s"] == pytest.approx(big)
+    assert s.predicted_gain_s == pytest.approx(predict_step(1, X, B, 5e-3, 1e9, kappa, overlap=0.8) - big / 2)
+    assert "T=2000" in s.text
 
 
 def test_suggest_keep_when_nothing_gains():
@@ -208,11 +266,38 @@ def test_suggest_keep_when_nothing_gains():
     assert d.suggestion.action == "keep" and d.suggestion.predicted_gain_s == 0.0
 
 
-def test_model_step_equals_predict_step_for_equal_bytes():
-    """Tier 1: the per-a2a model reduces to autochunk.predict_step."""
-    for C in (1, 2, 4, 8):
-        for X, B, a, b in ((1e-3, 1e6, 1e-4, 1e8), (5e-2, 3e5, 2e-3, 1e9), (0.0, 1e6, 1e-5, float("inf"))):
-            assert _model_step(C, X, (B, B, B, B), a, b, 2e-4) == pytest.approx(predict_step(C, X, B, a, b, 2e-4))
+SCENARIOS = [dict(), dict(elsize=2, expert_fwd=5e-3, beta=2e8), dict(C=8, alpha=5e-3, expert_fwd=1e-3),
+             dict(W=4, E=8, rows=[4000.0, 4000.0 / 3, 4000.0 / 3, 4000.0 / 3], alpha=2e-2, expert_fwd=8e-3),
+             dict(alpha=5e-3, expert_fwd=1e-3), dict(H=256, F=64, expert_fwd=1e-5, beta=1e8),
+             dict(W=8, E=32, K=8, T=250, expert_fwd=1e-5, beta=1e8), dict(alpha=1e-7, beta=1e13, expert_fwd=5e-3)]
+
+
+@pytest.mark.parametrize("eta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("kw", SCENARIOS)
+def test_suggestions_use_only_levers_the_library_has(kw, eta):
+    """Tier 1: across bandwidth-bound, latency-bound, skewed and negligible-comm results, the suggestion
+    and every alternative are num_chunks / rebalance / more tokens / keep: no FP8 (the library has none),
+    no routing change it cannot turn into fewer bytes; a chunks suggestion's C is choose_num_chunks'
+    with the measured eta."""
+    r = synth(**kw, eta=eta)
+    d = diagnose(r)
+    _check_suggestion_consistent(d)
+    s = d.suggestion
+    assert {a["action"] for a in s.alternatives} <= ALLOWED_ACTIONS
+    assert "fp8" not in s.text.lower() and "fp8" not in json.dumps(s.numbers).lower()
+    assert "fp8" not in format_diagnosis(d).lower()
+    if s.action == "chunks":
+        X, B, kappa = _model_inputs(r)
+        assert s.numbers["best_C"] == choose_num_chunks(X, B, r["alpha_s"], r["beta_bytes_per_s"], kappa,
+                                                        overlap=eta).num_chunks
+
+
+def test_missing_overlap_efficiency_is_named():
+    """Tier 1: a result without the measured eta is rejected, not diagnosed with a guessed one."""
+    r = synth()
+    del r["overlap_efficiency"]
+    with pytest.raises(ValueError, match="overlap_efficiency"):
+        diagnose(r)
 
 
 # ============================================================ tier 1: rendering, options
@@ -231,6 +316,23 @@ def test_plot_timeline_synthetic(tmp_path):
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(path) > 10_000
+
+
+def test_plot_timeline_leaves_the_backend_alone(tmp_path):
+    """Tier 1 (one child Python): plotting neither loads pyplot nor picks a backend; the caller's
+    configured backend is what it was."""
+    code = ("import sys, matplotlib\n"
+            "from moe_comm.tools.diagnose import plot_timeline\n"
+            "from moe_comm.profiling import Span\n"
+            "matplotlib.use('svg')  # the caller's choice\n"
+            "spans = [Span(0, 0, 'experts', 0, 'compute', 'fwd', 0.0, 1e-3, 'compute'),\n"
+            "         Span(1, 0, 'dispatch', 0, 'comm', 'fwd', 0.0, 2e-3, 'comm')]\n"
+            f"plot_timeline(spans, {str(tmp_path / 'p.png')!r})\n"
+            "assert 'matplotlib.pyplot' not in sys.modules, 'pyplot was imported'\n"
+            "assert matplotlib.get_backend() == 'svg', matplotlib.get_backend()\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "p.png").stat().st_size > 1000
 
 
 def test_sub_lanes_packing():
@@ -253,6 +355,20 @@ def test_profile_main_exit_code_2_on_bad_options(tmp_path, capsys):
     assert profile_main({"top_k": 99}, str(tmp_path)) == 2
     assert "top_k" in capsys.readouterr().err
     assert not os.listdir(tmp_path)
+
+
+def test_relaunch_command_runs_the_package_from_anywhere(tmp_path):
+    """Tier 1 (one child Python, no ranks): the command the emulated-link path runs inside the network
+    namespace is ``python -m moe_comm.tools.diagnose OPTS_JSON OUT_DIR`` with this checkout on
+    PYTHONPATH; started from another directory it reaches profile_main (bad options: exit 2, named)."""
+    out = tmp_path / "out"
+    cmd, env = relaunch_command(normalize_opts({}) | {"top_k": 99}, str(out))
+    assert cmd[1:3] == ["-m", "moe_comm.tools.diagnose"] and cmd[-1] == str(out)
+    root = env["PYTHONPATH"].split(os.pathsep)[0]
+    assert os.path.isfile(os.path.join(root, "moe_comm", "tools", "diagnose", "__main__.py"))
+    r = subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "top_k" in r.stderr and not out.exists()
 
 
 # ============================================================ tier 2: end to end
@@ -297,6 +413,20 @@ def test_profile_main_two_ranks(tmp_path, capsys):
     assert 0 < share["comm_share"] < 1
     assert share["comm_share"] == pytest.approx(comm / region, rel=1e-6)
     assert share["step_s"] == pytest.approx(region / len(pids) / 2 * 1e-6, rel=1e-6)
-    assert {e["name"].split()[0] for e in ev if e["cat"] == "comm"} == {"counts", "dispatch", "combine"}
+    # (plus "control" spans where the dispatcher exchanges its wire header)
+    assert {e["name"].split()[0] for e in ev if e["cat"] == "comm"} - {"control"} == {"counts", "dispatch", "combine"}
     sug = diag["suggestion"]
     assert sug["predicted_step_s"] == pytest.approx(diag["step_s"] - sug["predicted_gain_s"])
+
+    # The suggestion's model is predict_step with the overlap efficiency this run measured.
+    eta = res["overlap_efficiency"]
+    assert 0.0 <= eta <= 1.0 and res["overlap_probe_bytes"] == 96 * 2 * 32 * 4 // 4
+    X, B, kappa = _model_inputs(res)
+    n = sug["numbers"]
+    assert n["overlap_efficiency"] == eta
+    assert n["model_current_s"] == pytest.approx(predict_step(2, X, B, res["alpha_s"], res["beta_bytes_per_s"],
+                                                              kappa, overlap=eta))
+    assert sug["action"] in ALLOWED_ACTIONS and "fp8" not in sug["text"].lower()
+    if sug["action"] == "chunks":
+        assert n["best_C"] == choose_num_chunks(X, B, res["alpha_s"], res["beta_bytes_per_s"], kappa,
+                                                overlap=eta).num_chunks

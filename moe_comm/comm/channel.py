@@ -1,0 +1,174 @@
+"""A Dispatcher's control channel: the fixed-size exchange that opens (and closes) every phase of a call.
+
+Shapes legend: W EP world size, S slots (max chunks x local experts), X = header + message + S words.
+
+``Channel.begin`` issues one ``all_to_all_single`` of [W, X] int64 on the group's device (header words,
+this rank's error message if it failed, and per-destination slots: the counts of rows it will send);
+``Channel.end`` waits, reads it (the host sync of the phase), checks every rank's header and raises
+the same error on every rank when anything disagrees or failed. See ``moe_comm.comm.wire``.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from moe_comm.comm.agree import RemoteError, disagreement
+from moe_comm.comm.collectives import (REBUILD, CollectiveError, check_usable, group_device, group_rank, group_size,
+                                       poison, record_arrival, wait_work)
+from moe_comm.comm.wire import (HEADER_WORDS, MAGIC, MESSAGE_WORDS, PHASE_TEXT, Failure, Phase, ProtocolError, Word,
+                                decode_message, describe_position, dtype_name, encode_message, header, positions)
+
+__all__ = ["Channel", "Pending", "PeerFailed", "next_index"]
+
+_indices: Dict[str, itertools.count] = {}
+
+
+def next_index(group: Optional[dist.ProcessGroup]) -> int:
+    """Construction index of a Dispatcher on ``group`` (agreed across ranks when it is built)."""
+    key = getattr(group, "group_name", None) or str(id(group))
+    return next(_indices.setdefault(key, itertools.count()))
+
+
+class PeerFailed(RuntimeError):
+    """Raised on every other rank when one rank failed mid-call (its expert_fn, side_fn, a kernel or its
+    expert backward raised); names the rank, where, and its error. No rank returns a value from the call."""
+
+
+@dataclass
+class Pending:
+    """A control exchange in flight (between ``Channel.begin`` and ``Channel.end``)."""
+
+    phase: Phase
+    send_WX: torch.Tensor
+    recv_WX: torch.Tensor
+    work: object
+    where: str
+    local_error: Optional[BaseException]
+    failed: Failure
+    call: int
+    start: object = None
+
+
+class Channel:
+    """The control exchanges of one Dispatcher on ``group``.
+
+    Args:
+        group: the EP process group (None: one process; exchanges are local).
+        index: the Dispatcher's construction index on the group (the same on every rank).
+        slots: S words per destination (max chunks x local experts): the counts area.
+        timeout: seconds to wait for an exchange (None: the process group's timeout).
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup], index: int, slots: int, timeout: Optional[float]):
+        self.group, self.index, self.slots, self.timeout = group, index, slots, timeout
+        self.world, self.rank = group_size(group), group_rank(group)
+        self.device = group_device(group)
+        self.width = HEADER_WORDS + MESSAGE_WORDS + slots
+        self.call = 0  # advanced by the Dispatcher once per call, identically on every rank
+        self.timeline = None  # the owner's Timeline: exchanges are comm spans "counts" / "control"
+
+    def begin(self, phase: Phase, hdr: torch.Tensor, *, dynamic: Optional[torch.Tensor] = None,
+              slots_WS: Optional[torch.Tensor] = None, local_error: Optional[BaseException] = None,
+              failed: Failure = Failure.NONE) -> Pending:
+        """Issue the exchange. hdr: ``wire.header(...)`` (CPU); dynamic: optional int64 [3] device tensor
+        (BAD_IDS, NONFINITE, ROWS) computed on the device; slots_WS: optional [W, <=S] int64 per-destination
+        counts; local_error / failed: this rank's failure, sent to every peer with its message."""
+        check_usable(self.group, self.rank)
+        W, dev = self.world, self.device
+        hdr = hdr.clone()
+        hdr[Word.FAILED] = int(failed)
+        message = None if local_error is None else f"{type(local_error).__name__}: {local_error}"
+        row = torch.cat([hdr, encode_message(message)]).to(dev, non_blocking=True)
+        send_WX = torch.zeros(W, self.width, dtype=torch.int64, device=dev)
+        send_WX[:, :HEADER_WORDS + MESSAGE_WORDS] = row
+        if dynamic is not None:
+            send_WX[:, Word.BAD_IDS:Word.ROWS + 1] = dynamic.to(dev, torch.int64)
+        if slots_WS is not None and slots_WS.shape[1]:
+            send_WX[:, HEADER_WORDS + MESSAGE_WORDS:HEADER_WORDS + MESSAGE_WORDS + slots_WS.shape[1]] = slots_WS
+        where = f"{PHASE_TEXT[phase]} of call {int(hdr[Word.CALL])} (dispatcher {self.index})"
+        pending_start = self.timeline.mark() if self.timeline is not None else None
+        if W == 1:
+            return Pending(phase, send_WX, send_WX, None, where, local_error, failed, int(hdr[Word.CALL]), pending_start)
+        record_arrival(self.group, where)
+        recv_WX = torch.empty_like(send_WX)
+        work = dist.all_to_all_single(recv_WX, send_WX, group=self.group, async_op=True)
+        return Pending(phase, send_WX, recv_WX, work, where, local_error, failed, int(hdr[Word.CALL]), pending_start)
+
+    def end(self, pending: Pending) -> Tuple[List[List[int]], List[List[int]]]:
+        """Wait for the exchange and check it. Returns (sent, received) rows as host ints: sent[w] is what
+        this rank sent to rank w, received[w] what rank w sent here (header, message, slots). Raises on
+        every rank alike (see ``_check``)."""
+        wait_work(pending.work, PHASE_TEXT[pending.phase], timeout=self.timeout, rank=self.rank,
+                  what="control exchange", group=self.group, where=pending.where)
+        if self.timeline is not None:
+            span = "counts" if pending.phase in (Phase.FORWARD, Phase.DISPATCH) else "control"
+            backward = pending.phase in (Phase.BACKWARD, Phase.BACKWARD_END, Phase.DISPATCH_BWD, Phase.COMBINE_BWD)
+            self.timeline.comm(span, None, direction="bwd" if backward else "fwd", start=pending.start)
+        both = torch.cat([pending.send_WX, pending.recv_WX]).tolist()  # host sync: the phase's one read
+        sent, rows = both[:self.world], both[self.world:]
+        self._check(pending, rows)
+        return sent, rows
+
+    def _check(self, pending: Pending, rows: List[List[int]]) -> None:
+        rank = self.rank
+        bad = [r for r, row in enumerate(rows) if row[Word.MAGIC] != MAGIC]
+        if bad:
+            reason = f"EP rank(s) {bad} sent a control row that is not a moe_comm header"
+            poison(self.group, reason)
+            raise ProtocolError(f"moe_comm: EP rank {rank}: {reason} (another collective of the same size ran on "
+                                f"this group at the same time, or stale bytes); {REBUILD}")
+        at = positions(rows)
+        if len(at) > 1:
+            # Every rank saw the same rows: all resynchronise on the furthest call, so the next call can work.
+            self.call = max(row[Word.CALL] for row in rows) + 1
+            raise ProtocolError(
+                f"moe_comm: EP rank {rank}: the EP ranks are not in the same call: "
+                + "; ".join(f"ranks {rs} in {pos}" for pos, rs in at.items())
+                + ". Every rank must run the same layers in the same order, forward and backward (a rank that "
+                "skipped a backward or a layer causes this). Every rank raised; the next call works.")
+        failed = [r for r, row in enumerate(rows) if row[Word.FAILED] != Failure.NONE]
+        if failed:
+            self._raise_failure(pending, rows, failed)
+        for word, what, fmt in ((Word.WORLD, "EP world size", str), (Word.EXPERTS, "num_experts", str),
+                                (Word.CHUNKS, "num_chunks of this call", str),
+                                (Word.ROW_BYTES, "row bytes (H x element size)", str),
+                                (Word.DTYPE, "dtype", dtype_name), (Word.CONFIG, "Dispatcher settings (hash)", hex)):
+            known = [(r, row[word]) for r, row in enumerate(rows) if row[word] >= 0 or word == Word.CONFIG]
+            text = disagreement(what, [v for _, v in known], fmt)
+            if text:
+                raise ValueError(f"moe_comm: {text.replace(' differs across the EP group:', ':')}; every rank "
+                                 "raised, no rows were sent")
+        E = rows[0][Word.EXPERTS]
+        for word, text in ((Word.BAD_IDS, f"topk_idx_TK holds expert ids outside [-1, {E})"),
+                           (Word.NONFINITE, "x_TH holds non-finite (NaN/Inf) rows (strict=True)")):
+            bad = [r for r, row in enumerate(rows) if row[word] > 0]
+            if bad:
+                raise ValueError(f"moe_comm: {text} on EP rank(s) {bad} "
+                                 f"({', '.join(str(rows[r][word]) for r in bad)}); every rank raised, no rows were sent")
+
+    def _raise_failure(self, pending: Pending, rows: List[List[int]], failed: List[int]) -> None:
+        lines = []
+        for r in failed:
+            chunk = rows[r][Word.CHUNK]
+            where = "before any rows moved" if chunk < 0 else f"at chunk {chunk}"
+            msg = decode_message(rows[r][HEADER_WORDS:HEADER_WORDS + MESSAGE_WORDS])
+            lines.append(f"EP rank {r} ({where}): {msg}")
+        ctx = (f"[{describe_position(rows[self.rank])}: EP rank(s) {failed} failed: " + "; ".join(lines)
+               + "; every rank raised, no rank returns a value from this call]")
+        err = pending.local_error
+        if err is not None:
+            if isinstance(err, (TypeError, ValueError)) and type(err) in (TypeError, ValueError):
+                raise type(err)(f"{err} {ctx}") from err
+            raise err
+        if all(rows[r][Word.FAILED] == Failure.REJECTED for r in failed):
+            raise RemoteError(f"moe_comm: EP rank(s) {failed} rejected their input {ctx}")
+        raise PeerFailed(f"moe_comm: EP rank(s) {failed} failed mid-call {ctx}")
+
+
+def as_collective_error(err: BaseException) -> bool:
+    """True for errors after which the group cannot be trusted (the transport failed)."""
+    return isinstance(err, (CollectiveError, ProtocolError))

@@ -1,0 +1,129 @@
+"""Per-call plans: who sends how many rows to whom, per chunk, read from the control exchange.
+
+Shapes legend: W EP world size, e local experts, C chunks, R rows received (per chunk), N rows sent.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+from einops import rearrange
+
+from moe_comm.ops.layout import Layout
+
+__all__ = ["ChunkPlan", "DispatchHandle", "DispatchOutput", "build_chunk_plans", "expert_major_index"]
+
+
+@dataclass
+class ChunkPlan:
+    """Host-side split sizes and the regroup permutation of one chunk.
+
+    send_We / recv_We: rows per (rank, local expert) sent to / received from each rank (host ints).
+    row_offset, num_rows: this chunk's slice of the permuted rows (sent side).
+    expert_index_R: received row of each expert-major row; source_index_R its inverse (None when no
+        regroup is needed: e = 1, one rank, or the point-to-point transport).
+    tokens_per_expert_e: [e] int64 device tensor; counts_e the same on the host.
+    """
+
+    chunk: int
+    send_We: List[List[int]]
+    recv_We: List[List[int]]
+    row_offset: int
+    tokens_per_expert_e: torch.Tensor
+    counts_e: List[int]
+    expert_index_R: Optional[torch.Tensor] = None
+    source_index_R: Optional[torch.Tensor] = None
+
+    @property
+    def send_splits_W(self) -> List[int]:
+        return [sum(r) for r in self.send_We]
+
+    @property
+    def recv_splits_W(self) -> List[int]:
+        return [sum(r) for r in self.recv_We]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.send_splits_W)
+
+    @property
+    def num_recv(self) -> int:
+        return sum(self.recv_splits_W)
+
+
+@dataclass
+class DispatchHandle:
+    """What the rest of a call (combine, the backward) needs; opaque to users."""
+
+    layout: Layout
+    chunks: List[ChunkPlan]
+    call: int
+    hidden_size: int
+    transport: object  # the Transport every phase of this call uses (the same on every rank)
+    owner: int = 0  # id() of the Dispatcher that made it
+    combined: bool = False  # combine() ran for this handle (a second combine raises)
+
+    @property
+    def direct(self) -> bool:
+        """Rows of this call move point-to-point straight into expert-major order (no regroup)."""
+        return getattr(self.transport, "name", "") == "point_to_point"
+
+
+@dataclass
+class DispatchOutput:
+    """tokens: [R, H] received rows, expert-major (local expert 0's rows first, each expert's rows
+    by source rank then source token order); tokens_per_expert: [e] int64; handle: for combine."""
+
+    tokens: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    handle: DispatchHandle = field(repr=False)
+
+    @property
+    def counts(self) -> List[int]:
+        """Host copy of tokens_per_expert (already known: no extra sync)."""
+        return self.handle.chunks[0].counts_e
+
+
+def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(x, 0) - x
+
+
+def expert_major_index(counts_We: torch.Tensor, total: int):
+    """Permutation from received (source rank, expert) blocks to expert-major (expert, source rank).
+
+    Example: W=2, e=2, counts_We = [[1, 2], [1, 0]] (rows r0 | r1 r2 | r3)
+        expert-major order: expert 0 from rank 0, rank 1, then expert 1 -> index [0, 3, 1, 2]
+    """
+    W, e = counts_We.shape
+    dev = counts_We.device
+    src_start_We = rearrange(_exclusive_cumsum(counts_We.reshape(-1)), "(w e) -> w e", w=W)
+    counts_eW = rearrange(counts_We, "w e -> (e w)")
+    dst_start_eW = _exclusive_cumsum(counts_eW)
+    block_R = torch.repeat_interleave(torch.arange(e * W, device=dev), counts_eW, output_size=total)
+    pos_R = torch.arange(total, device=dev) - dst_start_eW[block_R]
+    index_R = rearrange(src_start_We, "w e -> (e w)")[block_R] + pos_R
+    inverse_R = torch.empty_like(index_R)
+    inverse_R[index_R] = torch.arange(total, device=dev)
+    return index_R, inverse_R
+
+
+def build_chunk_plans(send_WCe: List[List[List[int]]], recv_WCe: List[List[List[int]]],
+                      recv_counts_WCe: torch.Tensor, regroup: bool) -> List[ChunkPlan]:
+    """Chunk plans from the host counts (sent and received, per rank, chunk, local expert) and the same
+    received counts on the device (for tokens_per_expert and the regroup index without another sync).
+    regroup: build the expert-major permutation (the all-to-all transport with W > 1 and e > 1)."""
+    W, C, e = recv_counts_WCe.shape
+    chunks, offset = [], 0
+    for c in range(C):
+        send_We = [send_WCe[w][c] for w in range(W)]
+        recv_We = [recv_WCe[w][c] for w in range(W)]
+        counts_We = recv_counts_WCe[:, c, :]
+        plan = ChunkPlan(chunk=c, send_We=send_We, recv_We=recv_We, row_offset=offset,
+                         tokens_per_expert_e=counts_We.sum(0),
+                         counts_e=[sum(recv_We[w][j] for w in range(W)) for j in range(e)])
+        if regroup:
+            plan.expert_index_R, plan.source_index_R = expert_major_index(counts_We, plan.num_recv)
+        chunks.append(plan)
+        offset += plan.num_rows
+    return chunks

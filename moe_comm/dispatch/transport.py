@@ -1,0 +1,190 @@
+"""Transports: how one chunk's rows reach their experts' ranks and come back. One interface, three kinds.
+
+Shapes legend: N rows sent (in (dest rank, local expert) order), R rows received (expert-major), H hidden,
+W EP world size, e local experts.
+
+    to_experts(src_NH, plan, ...) -> InFlight  # .wait() -> [R, H] expert-major rows on the experts' ranks
+    to_tokens(src_RH, plan, out_NH, ...) -> InFlight  # .wait() -> out_NH, the rows back in sent order
+
+- ``Local`` (W = 1): the permuted rows are already expert-major; nothing moves.
+- ``AllToAll``: one ``all_to_all_single`` of the chunk; the received (source rank, expert) blocks are
+  regrouped expert-major after it (and before the way back): one extra pass over the rows, one round trip.
+- ``PointToPoint``: one ``batch_isend_irecv`` with one message per (rank pair, local expert) segment,
+  straight into its expert-major rows and back: no regroup pass, W x e messages.
+
+``choose`` picks one per call from numbers every rank knows alike (every rank's N from the control
+exchange, the row bytes, C, W, e and the shared threshold), so all ranks use the same transport. The
+pipeline, ``dispatch``/``combine`` and the benchmarks all move rows only through these classes: this is
+the one place an all-to-all chunk is issued and the one place rows are regrouped.
+"""
+from __future__ import annotations
+
+import abc
+from typing import List, Optional, Tuple
+
+import torch
+
+from moe_comm.comm.collectives import all_to_all_v_async, issue_segments, wait_work
+from moe_comm.dispatch.plan import ChunkPlan
+from moe_comm.kernels import select_backend
+
+__all__ = ["Transport", "Local", "AllToAll", "PointToPoint", "InFlight", "choose"]
+
+
+class InFlight:
+    """Rows on their way. ``wait()`` waits (raising CollectiveError naming the phase and chunk, and
+    poisoning the group, on a failure or timeout), applies the receive-side regroup, returns the rows.
+    Holds a reference to every tensor the transfer reads or writes until it completed."""
+
+    def __init__(self, transport: "Transport", works: list, result: torch.Tensor, phase: str, chunk: int,
+                 direction: str, keep: Tuple = (), regroup: Optional[Tuple] = None, start=None, timed: bool = False):
+        self.t, self.works, self.result, self.keep = transport, works, result, keep
+        self.phase, self.chunk, self.direction, self.regroup = phase, chunk, direction, regroup
+        self.start, self.timed = start, timed
+        self.done = False
+
+    def wait(self) -> torch.Tensor:
+        if self.done:
+            return self.result
+        t = self.t
+        for w in self.works:
+            wait_work(w, self.phase, self.chunk, timeout=t.timeout, rank=t.rank, direction=self.direction,
+                      what=t.what, group=t.group)
+        if self.timed:  # point-to-point: several Works; the span ends when the last one was waited for
+            t.timeline.comm(self.phase, None, chunk=self.chunk, direction=self.direction, start=self.start)
+        self.done, self.keep = True, ()
+        if self.regroup is not None:
+            recv, index = self.regroup
+            with t.timeline.compute("regroup", chunk=self.chunk, direction=self.direction):
+                t.kernels(recv.device).permute_rows(recv, index, out=self.result)
+        return self.result
+
+
+class Transport(abc.ABC):
+    """Moves one chunk's rows between the EP ranks. Built once per Dispatcher per kind; stateless per call.
+
+    Args: group, world size W, rank, local experts e, the Dispatcher's Workspace (scratch rows that
+    only live during a transfer), permutation backend, Timeline, timeout (seconds or None).
+    """
+
+    name = "base"
+    what = "all-to-all"
+    regroups = False  # plans for this transport carry the expert-major permutation
+
+    def __init__(self, group, world: int, rank: int, num_local_experts: int, workspace, backend: str, timeline,
+                 timeout: Optional[float]):
+        self.group, self.world, self.rank, self.e = group, world, rank, num_local_experts
+        self.workspace, self.backend, self.timeline, self.timeout = workspace, backend, timeline, timeout
+
+    def kernels(self, device):
+        return select_backend(self.backend, device)
+
+    def _scratch(self, kind: str, plan: ChunkPlan, direction: str, rows: int, like: torch.Tensor) -> torch.Tensor:
+        # One buffer per (kind, direction, chunk): chunks in flight at the same time never share one.
+        return self.workspace.rows(f"{kind}.{direction}.{plan.chunk}", rows, like.shape[1], like)
+
+    @abc.abstractmethod
+    def to_experts(self, src_NH: torch.Tensor, plan: ChunkPlan, *, phase: str, direction: str) -> InFlight:
+        """Start moving rows in sent order [N, H] to the experts' ranks; ``wait()`` gives [R, H] expert-major
+        rows in fresh memory (the experts may save them for backward)."""
+
+    @abc.abstractmethod
+    def to_tokens(self, src_RH: torch.Tensor, plan: ChunkPlan, out_NH: torch.Tensor, *, phase: str,
+                  direction: str) -> InFlight:
+        """Start moving expert-major rows [R, H] back to their tokens' ranks, into ``out_NH`` (sent order)."""
+
+
+class Local(Transport):
+    """W = 1: rows stay where they are (the permuted rows are already expert-major)."""
+
+    name = "local"
+
+    def to_experts(self, src_NH, plan, *, phase, direction):
+        return InFlight(self, [], src_NH, phase, plan.chunk, direction)
+
+    def to_tokens(self, src_RH, plan, out_NH, *, phase, direction):
+        if out_NH.data_ptr() != src_RH.data_ptr():
+            out_NH.copy_(src_RH)
+        return InFlight(self, [], out_NH, phase, plan.chunk, direction)
+
+
+class AllToAll(Transport):
+    """One ``all_to_all_single`` per chunk and direction, plus a regroup pass when e > 1."""
+
+    name = "all_to_all"
+    regroups = True
+
+    def to_experts(self, src_NH, plan, *, phase, direction):
+        out = src_NH.new_empty(plan.num_recv, src_NH.shape[1])  # fresh: the experts may keep it for backward
+        recv = out if plan.expert_index_R is None else self._scratch("recv", plan, direction, plan.num_recv, src_NH)
+        t0 = self.timeline.mark()
+        work = all_to_all_v_async(recv, src_NH, plan.recv_splits_W, plan.send_splits_W, self.group)
+        self.timeline.comm(phase, work, chunk=plan.chunk, direction=direction, start=t0)
+        regroup = None if plan.expert_index_R is None else (recv, plan.expert_index_R)
+        return InFlight(self, [work], out, phase, plan.chunk, direction, keep=(src_NH, recv), regroup=regroup)
+
+    def to_tokens(self, src_RH, plan, out_NH, *, phase, direction):
+        if plan.source_index_R is not None:
+            with self.timeline.compute("regroup", chunk=plan.chunk, direction=direction):
+                src_RH = self.kernels(src_RH.device).permute_rows(
+                    src_RH, plan.source_index_R, out=self._scratch("back", plan, direction, plan.num_recv, src_RH))
+        t0 = self.timeline.mark()
+        work = all_to_all_v_async(out_NH, src_RH, plan.send_splits_W, plan.recv_splits_W, self.group)
+        self.timeline.comm(phase, work, chunk=plan.chunk, direction=direction, start=t0)
+        return InFlight(self, [work], out_NH, phase, plan.chunk, direction, keep=(src_RH,))
+
+
+class PointToPoint(Transport):
+    """One message per (rank pair, local expert) segment, straight into expert-major rows and back."""
+
+    name = "point_to_point"
+    what = "point-to-point transfer"
+
+    def _segments(self, plan: ChunkPlan, back: bool):
+        """(sent-order side, expert-major side) lists of (peer, tag, first row, rows); both ranks of a pair
+        list their segments in the same (expert) order. Tags differ per chunk and direction, so the
+        chunks of a pipeline in flight at once never meet the wrong receive."""
+        W, e = self.world, self.e
+        base = (2 * plan.chunk + int(back)) * e
+        by_dest, start = [], 0
+        for d in range(W):  # sent rows: (dest rank, local expert)
+            for j in range(e):
+                by_dest.append((d, base + j, start, plan.send_We[d][j]))
+                start += plan.send_We[d][j]
+        by_expert, start = [], 0
+        for j in range(e):  # received rows: (local expert, source rank)
+            for s in range(W):
+                by_expert.append((s, base + j, start, plan.recv_We[s][j]))
+                start += plan.recv_We[s][j]
+        return by_dest, by_expert
+
+    def to_experts(self, src_NH, plan, *, phase, direction):
+        out = src_NH.new_empty(plan.num_recv, src_NH.shape[1])
+        by_dest, by_expert = self._segments(plan, back=False)
+        t0 = self.timeline.mark()
+        works = issue_segments(out, src_NH, by_dest, by_expert, self.group)
+        return InFlight(self, works, out, phase, plan.chunk, direction, keep=(src_NH,), start=t0, timed=True)
+
+    def to_tokens(self, src_RH, plan, out_NH, *, phase, direction):
+        by_dest, by_expert = self._segments(plan, back=True)
+        t0 = self.timeline.mark()
+        works = issue_segments(out_NH, src_RH.contiguous(), by_expert, by_dest, self.group)
+        return InFlight(self, works, out_NH, phase, plan.chunk, direction, keep=(src_RH,), start=t0, timed=True)
+
+
+def choose(world: int, num_local_experts: int, num_chunks: int, rows_W: List[int], row_bytes: int,
+           direct_min_bytes: int) -> type:
+    """The transport class for a call, from numbers every rank holds alike after the control exchange.
+
+    Point-to-point when the mean (rank pair, local expert, chunk) segment is at least ``direct_min_bytes``
+    and e > 1 (with e = 1 the all-to-all needs no regroup, so it moves the same bytes in one call).
+    Measured on gloo, 4 ranks on 2 cores (``moe-comm bench``): point-to-point is slower at 256 KiB
+    segments, even at 1 MiB and faster at 4 MiB.
+    """
+    if world == 1:
+        return Local
+    e = num_local_experts
+    mean_segment = sum(rows_W) * row_bytes / (world * world * e * num_chunks)
+    if e > 1 and mean_segment >= direct_min_bytes:
+        return PointToPoint
+    return AllToAll
