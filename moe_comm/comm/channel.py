@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from moe_comm.comm.agree import RemoteError, disagreement
 from moe_comm.comm.collectives import (REBUILD, CollectiveError, check_usable, group_device, group_rank, group_size,
-                                       poison, record_arrival, wait_work)
+                                       issuing, poison, record_arrival, wait_work)
 from moe_comm.comm.wire import (HEADER_WORDS, MAGIC, MESSAGE_WORDS, PHASE_TEXT, Failure, Phase, ProtocolError, Word,
                                 decode_message, describe_position, dtype_name, encode_message, header, positions)
 
@@ -95,7 +95,8 @@ class Channel:
             return Pending(phase, send_WX, send_WX, None, where, local_error, failed, int(hdr[Word.CALL]), pending_start)
         record_arrival(self.group, where)
         recv_WX = torch.empty_like(send_WX)
-        work = dist.all_to_all_single(recv_WX, send_WX, group=self.group, async_op=True)
+        with issuing(self.group, f"{PHASE_TEXT[phase]} control exchange", self.rank):
+            work = dist.all_to_all_single(recv_WX, send_WX, group=self.group, async_op=True)
         return Pending(phase, send_WX, recv_WX, work, where, local_error, failed, int(hdr[Word.CALL]), pending_start)
 
     def end(self, pending: Pending) -> Tuple[List[List[int]], List[List[int]]]:
@@ -161,8 +162,10 @@ class Channel:
                + "; every rank raised, no rank returns a value from this call]")
         err = pending.local_error
         if err is not None:
-            if isinstance(err, (TypeError, ValueError)) and type(err) in (TypeError, ValueError):
+            if type(err) in (TypeError, ValueError, RuntimeError):
                 raise type(err)(f"{err} {ctx}") from err
+            if hasattr(err, "add_note"):  # any other type is re-raised as it is, with the context as a note
+                err.add_note(f"moe_comm: {ctx}")
             raise err
         if all(rows[r][Word.FAILED] == Failure.REJECTED for r in failed):
             raise RemoteError(f"moe_comm: EP rank(s) {failed} rejected their input {ctx}")

@@ -7,6 +7,7 @@ bfloat16 reductions, but an all-to-all needs no arithmetic).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 from typing import Dict, List, Optional, Tuple
 
@@ -15,7 +16,7 @@ import torch.distributed as dist
 
 __all__ = ["resolve_group", "group_size", "group_rank", "group_device", "all_to_all_v", "all_to_all_v_async",
            "exchange_counts", "exchange_counts_async", "issue_segments", "CollectiveError", "wait_work", "poison",
-           "check_usable", "record_arrival", "arrivals", "REBUILD"]
+           "check_usable", "record_arrival", "arrivals", "REBUILD", "issuing"]
 
 
 REBUILD = ("the process group can no longer be trusted: rebuild it (dist.destroy_process_group(), "
@@ -81,6 +82,19 @@ def arrivals(group: Optional[dist.ProcessGroup]) -> Dict[int, str]:
     return out
 
 
+@contextlib.contextmanager
+def issuing(group: Optional[dist.ProcessGroup], what: str, rank: int = 0):
+    """Issuing a collective can fail at once (a peer's socket closed): CollectiveError, and poison the group."""
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e, CollectiveError):
+            raise
+        poison(group, f"issuing the {what} on EP rank {rank}: {e}")
+        raise CollectiveError(f"moe_comm: EP rank {rank}: issuing the {what} failed; a peer rank may have died. "
+                              f"{REBUILD}. Cause: {e}") from e
+
+
 def wait_work(work, phase: str, chunk: int = -1, *, timeout: Optional[float] = None, rank: int = 0,
               direction: str = "fwd", what: str = "all-to-all", group: Optional[dist.ProcessGroup] = None,
               where: Optional[str] = None) -> None:
@@ -102,7 +116,8 @@ def wait_work(work, phase: str, chunk: int = -1, *, timeout: Optional[float] = N
         stuck = ""
         if where is not None:
             seen = arrivals(group)
-            behind = {r: w for r, w in seen.items() if w != where}
+            here = seen.get(rank, where)  # this rank's latest record (transfers of later chunks may be issued)
+            behind = {r: w for r, w in seen.items() if w != here}
             missing = [r for r in range(group_size(group)) if r not in seen]
             if behind or missing:
                 stuck = " Peers not at this exchange: " + "; ".join(

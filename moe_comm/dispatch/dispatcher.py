@@ -191,7 +191,8 @@ class Dispatcher:
         layout.set_num_rows(sum(sum(sum(x) for x in per_c) for per_c in send_WCe))
         kind = choose(W, e, C, [r[Word.ROWS] for r in rows], rows[0][Word.ROW_BYTES], self.direct_min_bytes)
         recv_counts_WCe = pending.recv_WX[:, base:base + C * e].reshape(W, C, e)
-        chunks = build_chunk_plans(send_WCe, recv_WCe, recv_counts_WCe, regroup=kind.regroups and e > 1)
+        chunks = build_chunk_plans(send_WCe, recv_WCe, recv_counts_WCe, regroup=kind.regroups and e > 1,
+                                   call=pending.call)
         return DispatchHandle(layout=layout, chunks=chunks, call=pending.call, hidden_size=hidden,
                               transport=self.transport(kind), owner=id(self))
 
@@ -248,8 +249,6 @@ class Dispatcher:
                              f"this handle's dispatch returned), got {tuple(expert_out_RH.shape)}")
         dtype_code(expert_out_RH.dtype)
         check_weights(topk_weight_TK, handle)
-        if handle.combined:
-            raise ValueError("handle was already combined: each dispatch() is combined exactly once")
 
     def combine(self, expert_out_RH: torch.Tensor, topk_weight_TK: torch.Tensor,
                 handle: DispatchHandle) -> torch.Tensor:
@@ -268,6 +267,8 @@ class Dispatcher:
             raise ValueError("handle comes from another Dispatcher's dispatch(); combine it with that Dispatcher")
         if len(handle.chunks) != 1:
             raise ValueError("handle comes from a pipelined call, not from dispatch()")
+        if handle.combined:  # local misuse after a completed collective call: raised here, no exchange
+            raise ValueError("handle was already combined: each dispatch() is combined exactly once")
         error = None
         try:
             self._check_combine(expert_out_RH, topk_weight_TK, handle)

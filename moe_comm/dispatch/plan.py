@@ -27,6 +27,7 @@ class ChunkPlan:
     """
 
     chunk: int
+    call: int
     send_We: List[List[int]]
     recv_We: List[List[int]]
     row_offset: int
@@ -109,7 +110,7 @@ def expert_major_index(counts_We: torch.Tensor, total: int):
 
 
 def build_chunk_plans(send_WCe: List[List[List[int]]], recv_WCe: List[List[List[int]]],
-                      recv_counts_WCe: torch.Tensor, regroup: bool) -> List[ChunkPlan]:
+                      recv_counts_WCe: torch.Tensor, regroup: bool, call: int = 0) -> List[ChunkPlan]:
     """Chunk plans from the host counts (sent and received, per rank, chunk, local expert) and the same
     received counts on the device (for tokens_per_expert and the regroup index without another sync).
     regroup: build the expert-major permutation (the all-to-all transport with W > 1 and e > 1)."""
@@ -119,7 +120,7 @@ def build_chunk_plans(send_WCe: List[List[List[int]]], recv_WCe: List[List[List[
         send_We = [send_WCe[w][c] for w in range(W)]
         recv_We = [recv_WCe[w][c] for w in range(W)]
         counts_We = recv_counts_WCe[:, c, :]
-        plan = ChunkPlan(chunk=c, send_We=send_We, recv_We=recv_We, row_offset=offset,
+        plan = ChunkPlan(chunk=c, call=call, send_We=send_We, recv_We=recv_We, row_offset=offset,
                          tokens_per_expert_e=counts_We.sum(0),
                          counts_e=[sum(recv_We[w][j] for w in range(W)) for j in range(e)])
         if regroup:

@@ -24,7 +24,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from moe_comm.comm.collectives import all_to_all_v_async, issue_segments, wait_work
+from moe_comm.comm.collectives import all_to_all_v_async, issue_segments, issuing, record_arrival, wait_work
 from moe_comm.dispatch.plan import ChunkPlan
 from moe_comm.kernels import select_backend
 
@@ -37,11 +37,12 @@ class InFlight:
     Holds a reference to every tensor the transfer reads or writes until it completed."""
 
     def __init__(self, transport: "Transport", works: list, result: torch.Tensor, phase: str, chunk: int,
-                 direction: str, keep: Tuple = (), regroup: Optional[Tuple] = None, start=None, timed: bool = False):
+                 direction: str, keep: Tuple = (), regroup: Optional[Tuple] = None, start=None, timed: bool = False,
+                 where: Optional[str] = None):
         self.t, self.works, self.result, self.keep = transport, works, result, keep
         self.phase, self.chunk, self.direction, self.regroup = phase, chunk, direction, regroup
         self.start, self.timed = start, timed
-        self.done = False
+        self.done, self.where = False, where
 
     def wait(self) -> torch.Tensor:
         if self.done:
@@ -49,7 +50,7 @@ class InFlight:
         t = self.t
         for w in self.works:
             wait_work(w, self.phase, self.chunk, timeout=t.timeout, rank=t.rank, direction=self.direction,
-                      what=t.what, group=t.group)
+                      what=t.what, group=t.group, where=self.where)
         if self.timed:  # point-to-point: several Works; the span ends when the last one was waited for
             t.timeline.comm(self.phase, None, chunk=self.chunk, direction=self.direction, start=self.start)
         self.done, self.keep = True, ()
@@ -75,6 +76,13 @@ class Transport(abc.ABC):
                  timeout: Optional[float]):
         self.group, self.world, self.rank, self.e = group, world, rank, num_local_experts
         self.workspace, self.backend, self.timeline, self.timeout = workspace, backend, timeline, timeout
+
+    def arrive(self, plan: ChunkPlan, phase: str, direction: str) -> str:
+        """Record in the group's store that this rank issued this transfer (a peer that times out names
+        the ranks recorded elsewhere); returns the record."""
+        where = f"the {phase} ({direction}) transfer of chunk {plan.chunk} of call {plan.call}"
+        record_arrival(self.group, where)
+        return where
 
     def kernels(self, device):
         return select_backend(self.backend, device)
@@ -117,21 +125,26 @@ class AllToAll(Transport):
     def to_experts(self, src_NH, plan, *, phase, direction):
         out = src_NH.new_empty(plan.num_recv, src_NH.shape[1])  # fresh: the experts may keep it for backward
         recv = out if plan.expert_index_R is None else self._scratch("recv", plan, direction, plan.num_recv, src_NH)
+        where = self.arrive(plan, phase, direction)
         t0 = self.timeline.mark()
-        work = all_to_all_v_async(recv, src_NH, plan.recv_splits_W, plan.send_splits_W, self.group)
+        with issuing(self.group, f"{phase} ({direction}) {self.what} of chunk {plan.chunk}", self.rank):
+            work = all_to_all_v_async(recv, src_NH, plan.recv_splits_W, plan.send_splits_W, self.group)
         self.timeline.comm(phase, work, chunk=plan.chunk, direction=direction, start=t0)
         regroup = None if plan.expert_index_R is None else (recv, plan.expert_index_R)
-        return InFlight(self, [work], out, phase, plan.chunk, direction, keep=(src_NH, recv), regroup=regroup)
+        return InFlight(self, [work], out, phase, plan.chunk, direction, keep=(src_NH, recv), regroup=regroup,
+                        where=where)
 
     def to_tokens(self, src_RH, plan, out_NH, *, phase, direction):
         if plan.source_index_R is not None:
             with self.timeline.compute("regroup", chunk=plan.chunk, direction=direction):
                 src_RH = self.kernels(src_RH.device).permute_rows(
                     src_RH, plan.source_index_R, out=self._scratch("back", plan, direction, plan.num_recv, src_RH))
+        where = self.arrive(plan, phase, direction)
         t0 = self.timeline.mark()
-        work = all_to_all_v_async(out_NH, src_RH, plan.send_splits_W, plan.recv_splits_W, self.group)
+        with issuing(self.group, f"{phase} ({direction}) {self.what} of chunk {plan.chunk}", self.rank):
+            work = all_to_all_v_async(out_NH, src_RH, plan.send_splits_W, plan.recv_splits_W, self.group)
         self.timeline.comm(phase, work, chunk=plan.chunk, direction=direction, start=t0)
-        return InFlight(self, [work], out_NH, phase, plan.chunk, direction, keep=(src_RH,))
+        return InFlight(self, [work], out_NH, phase, plan.chunk, direction, keep=(src_RH,), where=where)
 
 
 class PointToPoint(Transport):
@@ -161,15 +174,21 @@ class PointToPoint(Transport):
     def to_experts(self, src_NH, plan, *, phase, direction):
         out = src_NH.new_empty(plan.num_recv, src_NH.shape[1])
         by_dest, by_expert = self._segments(plan, back=False)
+        where = self.arrive(plan, phase, direction)
         t0 = self.timeline.mark()
-        works = issue_segments(out, src_NH, by_dest, by_expert, self.group)
-        return InFlight(self, works, out, phase, plan.chunk, direction, keep=(src_NH,), start=t0, timed=True)
+        with issuing(self.group, f"{phase} ({direction}) {self.what} of chunk {plan.chunk}", self.rank):
+            works = issue_segments(out, src_NH, by_dest, by_expert, self.group)
+        return InFlight(self, works, out, phase, plan.chunk, direction, keep=(src_NH,), start=t0, timed=True,
+                        where=where)
 
     def to_tokens(self, src_RH, plan, out_NH, *, phase, direction):
         by_dest, by_expert = self._segments(plan, back=True)
+        where = self.arrive(plan, phase, direction)
         t0 = self.timeline.mark()
-        works = issue_segments(out_NH, src_RH.contiguous(), by_expert, by_dest, self.group)
-        return InFlight(self, works, out_NH, phase, plan.chunk, direction, keep=(src_RH,), start=t0, timed=True)
+        with issuing(self.group, f"{phase} ({direction}) {self.what} of chunk {plan.chunk}", self.rank):
+            works = issue_segments(out_NH, src_RH.contiguous(), by_expert, by_dest, self.group)
+        return InFlight(self, works, out_NH, phase, plan.chunk, direction, keep=(src_RH,), start=t0, timed=True,
+                        where=where)
 
 
 def choose(world: int, num_local_experts: int, num_chunks: int, rows_W: List[int], row_bytes: int,

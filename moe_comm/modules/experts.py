@@ -208,15 +208,16 @@ class GroupedExperts(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        # Every key of this module is checked before the first copy: a bad expert leaves all of them
-        # untouched. (Across ranks and modules, moe_comm.modules.checkpoint.load_full_state_dict is the
-        # all-or-nothing, collective load.)
+        # Every key of this module is checked before the first copy: a wrong shape leaves all of them
+        # untouched. Missing and unexpected keys are reported; torch decides after the walk over all
+        # modules whether they raise (it passes strict=True here whatever the caller's strict), when the
+        # other keys are already written, as for any module. The all-or-nothing, collective load (every
+        # rank, every module) is moe_comm.modules.checkpoint.load_full_state_dict.
         missing, unexpected, errors = self.check_state_dict(state_dict, prefix)
         missing_keys.extend(missing)
+        unexpected_keys.extend(unexpected)
         error_msgs.extend(errors)
-        if strict:
-            unexpected_keys.extend(unexpected)
-        if errors or (strict and (missing or unexpected)):
+        if errors:
             return
         with torch.no_grad():
             for name in _WEIGHTS:

@@ -304,8 +304,9 @@ def test_full_state_dict_gathers_every_expert(ranks):
     assert [k for k in sd if k.startswith("experts.w1.")] == [f"experts.w1.{g}" for g in range(8)]
 
 
-def test_local_load_is_atomic_per_module():
-    """Tier 1: a plain load_state_dict of a bad expert checkpoint leaves every expert weight untouched."""
+def test_local_load_checks_every_expert_key():
+    """Tier 1: a plain load_state_dict of a misshaped expert leaves every expert weight untouched; an
+    unknown or malformed expert id is an unexpected key (torch raises on it with strict=True)."""
     layer = moe_comm.MoELayer(_cfg(), seed=1)
     sd = moe_comm.MoELayer(_cfg(), seed=2).state_dict()
     sd["experts.w2.3"] = sd["experts.w2.3"][:1]
@@ -313,11 +314,13 @@ def test_local_load_is_atomic_per_module():
     with pytest.raises(RuntimeError, match="size mismatch for experts.w2.3"):
         layer.load_state_dict(sd)
     assert torch.equal(layer.experts.w1, w1)
-    sd = moe_comm.MoELayer(_cfg(), seed=2).state_dict()
-    sd["experts.w1.12"] = sd["experts.w1.0"]
-    with pytest.raises(RuntimeError, match=r"Unexpected key\(s\) in state_dict: \"experts.w1.12\""):
-        layer.load_state_dict(sd)
-    assert torch.equal(layer.experts.w1, w1)
+    for bad in ("experts.w1.12", "experts.w1.01", "experts.w4.0"):
+        sd = moe_comm.MoELayer(_cfg(), seed=2).state_dict()
+        sd[bad] = sd["experts.w1.0"]
+        with pytest.raises(RuntimeError, match=f"Unexpected key\\(s\\) in state_dict: \"{bad}\""):
+            layer.load_state_dict(sd)
+        assert layer.load_state_dict(sd, strict=False).unexpected_keys == [bad]
+        assert all(torch.equal(layer.experts.w1[g], sd[f"experts.w1.{g}"]) for g in range(4)), "the rest loaded"
 
 
 # ------------------------------------------------------------------------ all_reduce timeouts
@@ -334,7 +337,7 @@ def _timeout_rank(rank, world_size, init_file, q):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=60))
-    groups = [dist.new_group(list(range(world_size))) for _ in range(2)]
+    groups = [dist.new_group(list(range(world_size))) for _ in range(3)]  # layer a, layer b, test sync
     a = moe_comm.MoELayer(_cfg(), groups[0], seed=1, timeout=2.0)
     b = moe_comm.MoELayer(_cfg(), groups[1], seed=1, timeout=2.0, monitor=False, bias_update_rate=0.1)
     if rank == 1:
@@ -350,6 +353,7 @@ def _timeout_rank(rank, world_size, init_file, q):
             results.append(("no error", 0.0))
         except CollectiveError as e:
             results.append((str(e), time.perf_counter() - t0))
+        dist.barrier(group=groups[2])  # rank 1 waits out rank 0's timeout before the next layer's exchanges
     q.put((rank, results))
     q.close()
     q.join_thread()

@@ -10,14 +10,17 @@ a logical checkpoint fills every replica.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+import torch.distributed as dist
 
 import moe_comm
 from moe_comm.testing import workloads as wl
 from moe_comm.modules.checkpoint import full_state_dict, load_full_state_dict
-from moe_comm.placement.apply import physical_topk, replica_tables, transfer_plan
-from moe_comm.placement.planner import plan_placement
+from moe_comm.placement.apply import physical_topk, relayout_slots, replica_tables, sync_replica_grads, transfer_plan
+from moe_comm.placement.planner import identity_placement, plan_placement
 
 H, F = 16, 24
 
@@ -297,3 +300,112 @@ def _rank_bad_call(rank, world_size, case):
 def test_bad_call_on_one_rank_raises_on_every_rank(ranks, case, match):
     for err, untouched in ranks(2).run(_rank_bad_call, case):
         assert err is not None and (match in err or "odd" in err) and untouched
+
+
+# ------------------------------------------------------------------------ hand-made placements, checks
+
+def _hand_placement(p2l, E, W):
+    """A Placement with an arbitrary phys_to_logical (the planner never puts two replicas of one expert
+    on one rank; a user may)."""
+    return dataclasses.replace(identity_placement(E, W), phys_to_logical=torch.as_tensor(p2l),
+                               num_replicas=len(p2l) - E)
+
+
+def test_sync_replica_grads_sums_replicas_on_one_rank():
+    """Tier 1: two replicas of expert 0 on the only rank: both end with the sum (was: left unsummed)."""
+    w = torch.nn.Parameter(torch.zeros(3, 2))
+    w.grad = torch.tensor([[1.0, 2.0], [10.0, 20.0], [100.0, 200.0]])
+    assert sync_replica_grads([w], [0, 1, 0], [0, 1, 0], None) == 1
+    assert w.grad.tolist() == [[101.0, 202.0], [10.0, 20.0], [101.0, 202.0]]
+
+
+def _rank_sync_two_local_replicas(rank, world_size):
+    p2l = [0, 0, 1, 2, 3, 0, 1, 2]  # rank 0 holds expert 0 twice; expert 0 has 3 replicas, 1 and 2 have 2
+    S = len(p2l) // world_size
+    local = p2l[rank * S:(rank + 1) * S]
+    w = torch.nn.Parameter(torch.zeros(S, 3, dtype=torch.float64))
+    w.grad = torch.arange(S * 3, dtype=torch.float64).reshape(S, 3) + 100.0 * rank
+    v = torch.nn.Parameter(torch.zeros(S, 2))  # no .grad: counts as zeros
+    n = sync_replica_grads([w, v], local, p2l, dist.group.WORLD)
+    return n, local, w.grad, v.grad
+
+
+@pytest.mark.multirank
+def test_sync_replica_grads_adds_two_replicas_on_one_rank(ranks):
+    res = ranks(2).run(_rank_sync_two_local_replicas)
+    before = {}  # (rank, slot) -> grad before the sync
+    for rank in range(2):
+        for i in range(4):
+            before[(rank, i)] = torch.arange(3, dtype=torch.float64) + 3 * i + 100.0 * rank
+    for rank, (n, local, wg, vg) in enumerate(res):
+        assert n == 3 and torch.count_nonzero(vg) == 0
+        for i, g in enumerate(local):
+            holders = [(r, j) for r in range(2) for j, h in enumerate(res[r][1]) if h == g]
+            want = sum(before[h] for h in holders)
+            assert torch.equal(wg[i], want), (rank, i, g)
+
+
+def _rank_hand_placement_equivalence(rank, world_size):
+    cfg = moe_comm.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4, top_k=2)
+    layer = moe_comm.MoELayer(cfg, seed=21)
+    x, gy = _data(rank, world_size, cfg, [40, 30], 21)
+    out = [_step(layer, x, gy)]
+    layer.apply_placement(_hand_placement([0, 0, 1, 2, 3, 0, 1, 2], 4, world_size))
+    out.append(_step(layer, x, gy))
+    return out
+
+
+@pytest.mark.multirank
+def test_two_replicas_on_one_rank_give_the_unplaced_gradients(ranks):
+    res = ranks(2).run(_rank_hand_placement_equivalence)
+    ref = {g: v for r in res for g, v in r[0]["experts"].items()}
+    for before, after in res:
+        assert _rel(after["y"], before["y"]) <= 1e-5 and _rel(after["router"], before["router"]) <= 1e-5
+        for g, grad in after["experts"].items():
+            assert _rel(grad, ref[g]) <= 1e-5, g
+    ex0 = [r[1]["rows"][i] for r in res for i, g in enumerate(r[1]["ids"]) if g == 0]
+    assert len(ex0) == 3 and all(int(n) > 0 for n in ex0), "each replica of expert 0 served tokens"
+
+
+def test_float_phys_to_logical_is_rejected_not_truncated():
+    cfg = moe_comm.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4, top_k=2)
+    layer = moe_comm.MoELayer(cfg, seed=0)
+    plan = plan_placement([[4, 3, 2, 1]], 1)
+    for bad in (plan.phys_to_logical.double() + 0.7, [0.0, 1.0, 2.0, 3.0]):
+        with pytest.raises(TypeError, match="placement.phys_to_logical"):
+            layer.apply_placement(dataclasses.replace(plan, phys_to_logical=bad))
+        with pytest.raises(TypeError, match="phys_to_logical"):
+            layer.monitor.set_placement(bad)
+    assert layer.placement is None
+    with pytest.raises(ValueError, match=r"placement.phys_to_logical\[0\] must be <= 3"):
+        layer.apply_placement(_hand_placement([4, 1, 2, 3], 4, 1))
+
+
+def test_relayout_slots_moves_weights_and_optimizer_state():
+    """Tier 1: the function behind apply_placement, outside the Module (no MoELayer involved)."""
+    w = torch.nn.Parameter(torch.arange(8.0).reshape(4, 2))
+    opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+    w.grad = torch.ones(4, 2)
+    opt.step()
+    momentum = opt.state[w]["momentum_buffer"].clone()
+    data = w.detach().clone()
+    p2l = relayout_slots([w], _hand_placement([2, 0, 3, 1, 0, 2], 4, 1), [0, 1, 2, 3], 4, None, opt)
+    assert p2l == [2, 0, 3, 1, 0, 2] and w.grad is None and opt.state[w]["momentum_buffer"].shape == (6, 2)
+    for i, g in enumerate(p2l):
+        assert torch.equal(w[i], data[g]) and torch.equal(opt.state[w]["momentum_buffer"][i], momentum[g])
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        relayout_slots([w], _hand_placement([0, 1, 2, 3], 4, 1), p2l, 4, None, optimizer="adam")
+
+
+def test_placement_and_monitor_do_not_import_modules():
+    """Tier 1: the dependency rule (moe_comm/__init__.py): placement and monitor sit below modules."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(moe_comm.__file__).parent
+    for package in ("placement", "monitor"):
+        for path in sorted((root / package).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                assert not any(n == "moe_comm.modules" or n.startswith("moe_comm.modules.") for n in names), path
