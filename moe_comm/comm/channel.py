@@ -70,49 +70,70 @@ class Channel:
         self.width = HEADER_WORDS + MESSAGE_WORDS + slots
         self.call = 0  # advanced by the Dispatcher once per call, identically on every rank
         self.timeline = None  # the owner's Timeline: exchanges are comm spans "counts" / "control"
+        self.deferred: List[Pending] = []  # end-of-phase exchanges read with the next one (end_check="deferred")
 
-    def begin(self, phase: Phase, hdr: torch.Tensor, *, dynamic: Optional[torch.Tensor] = None,
+    def begin(self, phase: Phase, hdr: List[int], *, dynamic: Optional[torch.Tensor] = None,
               slots_WS: Optional[torch.Tensor] = None, local_error: Optional[BaseException] = None,
               failed: Failure = Failure.NONE) -> Pending:
-        """Issue the exchange. hdr: ``wire.header(...)`` (CPU); dynamic: optional int64 [3] device tensor
+        """Issue the exchange. hdr: ``wire.header(...)`` (host ints); dynamic: optional int64 [3] device tensor
         (BAD_IDS, NONFINITE, ROWS) computed on the device; slots_WS: optional [W, <=S] int64 per-destination
         counts; local_error / failed: this rank's failure, sent to every peer with its message."""
         check_usable(self.group, self.rank)
         W, dev = self.world, self.device
-        hdr = hdr.clone()
+        hdr = list(hdr)
         hdr[Word.FAILED] = int(failed)
         message = None if local_error is None else f"{type(local_error).__name__}: {local_error}"
-        row = torch.cat([hdr, encode_message(message)]).to(dev, non_blocking=True)
+        row = torch.cat([torch.tensor(hdr, dtype=torch.int64), encode_message(message)]).to(dev, non_blocking=True)
         send_WX = torch.zeros(W, self.width, dtype=torch.int64, device=dev)
         send_WX[:, :HEADER_WORDS + MESSAGE_WORDS] = row
         if dynamic is not None:
             send_WX[:, Word.BAD_IDS:Word.ROWS + 1] = dynamic.to(dev, torch.int64)
         if slots_WS is not None and slots_WS.shape[1]:
             send_WX[:, HEADER_WORDS + MESSAGE_WORDS:HEADER_WORDS + MESSAGE_WORDS + slots_WS.shape[1]] = slots_WS
-        where = f"{PHASE_TEXT[phase]} of call {int(hdr[Word.CALL])} (dispatcher {self.index})"
+        where = f"{PHASE_TEXT[phase]} of call {hdr[Word.CALL]} (dispatcher {self.index})"
         pending_start = self.timeline.mark() if self.timeline is not None else None
         if W == 1:
-            return Pending(phase, send_WX, send_WX, None, where, local_error, failed, int(hdr[Word.CALL]), pending_start)
+            return Pending(phase, send_WX, send_WX, None, where, local_error, failed, hdr[Word.CALL], pending_start)
         record_arrival(self.group, where)
         recv_WX = torch.empty_like(send_WX)
         with issuing(self.group, f"{PHASE_TEXT[phase]} control exchange", self.rank):
             work = dist.all_to_all_single(recv_WX, send_WX, group=self.group, async_op=True)
-        return Pending(phase, send_WX, recv_WX, work, where, local_error, failed, int(hdr[Word.CALL]), pending_start)
+        return Pending(phase, send_WX, recv_WX, work, where, local_error, failed, hdr[Word.CALL], pending_start)
 
-    def end(self, pending: Pending) -> Tuple[List[List[int]], List[List[int]]]:
+    def end(self, pending: Optional[Pending]) -> Tuple[List[List[int]], List[List[int]]]:
         """Wait for the exchange and check it. Returns (sent, received) rows as host ints: sent[w] is what
         this rank sent to rank w, received[w] what rank w sent here (header, message, slots). Raises on
-        every rank alike (see ``_check``)."""
-        wait_work(pending.work, PHASE_TEXT[pending.phase], timeout=self.timeout, rank=self.rank,
-                  what="control exchange", group=self.group, where=pending.where)
-        if self.timeline is not None:
+        every rank alike (see ``_check``). Deferred end-of-phase exchanges are waited for and checked first,
+        in the same host read. ``pending`` None: only the deferred ones."""
+        earlier, self.deferred = self.deferred, []
+        todo = earlier + ([] if pending is None else [pending])
+        for p in todo:
+            wait_work(p.work, PHASE_TEXT[p.phase], timeout=self.timeout, rank=self.rank,
+                      what="control exchange", group=self.group, where=p.where)
+        if self.timeline is not None and pending is not None:
             span = "counts" if pending.phase in (Phase.FORWARD, Phase.DISPATCH) else "control"
             backward = pending.phase in (Phase.BACKWARD, Phase.BACKWARD_END, Phase.DISPATCH_BWD, Phase.COMBINE_BWD)
             self.timeline.comm(span, None, direction="bwd" if backward else "fwd", start=pending.start)
-        both = torch.cat([pending.send_WX, pending.recv_WX]).tolist()  # host sync: the phase's one read
-        sent, rows = both[:self.world], both[self.world:]
-        self._check(pending, rows)
+        if not todo:
+            return [], []
+        both = torch.cat([t for p in todo for t in (p.send_WX, p.recv_WX)]).tolist()  # host sync: the phase's one read
+        W = self.world
+        for i, p in enumerate(todo):
+            sent, rows = both[2 * i * W:(2 * i + 1) * W], both[(2 * i + 1) * W:(2 * i + 2) * W]
+            try:
+                self._check(p, rows)
+            except Exception:
+                if i < len(earlier) and pending is not None:
+                    # A deferred failure raised at this later exchange: ranks may stand at different calls
+                    # here (the failing one left its call early); all continue from the furthest.
+                    last = both[(2 * len(todo) - 1) * W:]
+                    self.call = max([self.call] + [row[Word.CALL] for row in last])
+                raise
         return sent, rows
+
+    def defer(self, pending: Pending) -> None:
+        """Check this end-of-phase exchange with the next read instead of now (no host sync of its own)."""
+        self.deferred.append(pending)
 
     def _check(self, pending: Pending, rows: List[List[int]]) -> None:
         rank = self.rank

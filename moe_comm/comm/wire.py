@@ -11,7 +11,7 @@ mismatch of any kind - another call, another phase, another C or E, a failed che
 mid-call - is read from the header on every rank and raised there, never read as data.
 
     >>> hdr = header(Phase.FORWARD, dispatcher=0, call=3, chunks=2, experts=8, world=2)
-    >>> int(hdr[Word.CALL]), int(hdr[Word.MAGIC]) == MAGIC
+    >>> hdr[Word.CALL], hdr[Word.MAGIC] == MAGIC
     (3, True)
 """
 from __future__ import annotations
@@ -99,15 +99,15 @@ def dtype_name(code: int) -> str:
 
 def header(phase: Phase, *, dispatcher: int, call: int, chunks: int, experts: int, world: int,
            row_bytes: int = -1, dtype: int = -1, config: int = 0, failed: Failure = Failure.NONE,
-           chunk: int = -1) -> torch.Tensor:
-    """The host-known header words as a CPU int64 [HEADER_WORDS] tensor (BAD_IDS, NONFINITE and ROWS
-    are 0 here; device-computed counts are added on the device by the caller)."""
+           chunk: int = -1) -> List[int]:
+    """The host-known header words as [HEADER_WORDS] host ints (BAD_IDS, NONFINITE and ROWS are 0 here;
+    device-computed counts are added on the device by the channel)."""
     words = [0] * HEADER_WORDS
     words[Word.MAGIC], words[Word.DISPATCHER], words[Word.CALL], words[Word.PHASE] = MAGIC, dispatcher, call, phase
     words[Word.CHUNKS], words[Word.EXPERTS], words[Word.WORLD] = chunks, experts, world
     words[Word.ROW_BYTES], words[Word.DTYPE], words[Word.CONFIG] = row_bytes, dtype, config
     words[Word.FAILED], words[Word.CHUNK] = int(failed), chunk
-    return torch.tensor(words, dtype=torch.int64)
+    return words
 
 
 def encode_message(text: Optional[str]) -> torch.Tensor:

@@ -22,12 +22,12 @@ from moe_comm import ops
 from moe_comm._checks import check_choice, check_float, check_int, check_tensor
 from moe_comm.comm.agree import agree
 from moe_comm.comm.channel import Channel, next_index
-from moe_comm.comm.collectives import group_rank, group_size, resolve_group
+from moe_comm.comm.collectives import group_device, group_rank, group_size, resolve_group
 from moe_comm.comm.wire import HEADER_WORDS, MESSAGE_WORDS, Failure, Phase, Word, dtype_code, header
 from moe_comm.dispatch.autotune import AutoChunker, PipelinePlan, chunk_overhead, now
 from moe_comm.dispatch.plan import ChunkPlan, DispatchHandle, DispatchOutput, build_chunk_plans
 from moe_comm.dispatch.transport import AllToAll, Local, PointToPoint, choose
-from moe_comm.dispatch.workspace import Workspace
+from moe_comm.dispatch.workspace import shared_workspace
 from moe_comm.kernels import BACKENDS, select_backend
 from moe_comm.profiling import Timeline
 
@@ -56,6 +56,13 @@ class Dispatcher:
             go in one all-to-all plus a regroup, which costs fewer round trips (see ``transport.choose``).
         max_chunks: the largest C a call may use (sizes the fixed control exchange; default
             max(16, num_chunks)).
+        end_check: when the end-of-forward and end-of-backward exchanges of ``__call__`` are read.
+            "eager" (default on CPU): at the end of the phase, so a failure mid-call on any rank raises on
+            every rank before any returns (one more host read per phase: free on CPU, a sync on CUDA).
+            "deferred" (default on CUDA): with the next read of this Dispatcher (the backward's check-in,
+            or the next call), keeping the forward at one host sync; a failure mid-call then returns
+            placeholder rows on every rank and raises on every rank at that next read (before any gradient
+            is produced in training). ``check()`` reads it now.
 
     Construction is collective when W > 1: every rank must build its Dispatchers on a group in the same
     order with the same E, max_chunks, strict and direct_min_bytes (checked: every rank raises naming
@@ -65,7 +72,8 @@ class Dispatcher:
 
     def __init__(self, num_experts: int, ep_group: Optional[dist.ProcessGroup] = None, num_chunks=1,
                  *, backend: str = "auto", strict: bool = False, timeout: Optional[float] = None,
-                 direct_min_bytes: int = 1 << 20, max_chunks: Optional[int] = None):
+                 direct_min_bytes: int = 1 << 20, max_chunks: Optional[int] = None,
+                 end_check: Optional[str] = None):
         self.group = resolve_group(ep_group)
         self.world_size = group_size(self.group)
         self.rank = group_rank(self.group)
@@ -86,24 +94,30 @@ class Dispatcher:
             if timeout is not None:
                 check_float("Dispatcher: timeout", timeout, 0.0, low_open=True)
             check_int("Dispatcher: direct_min_bytes", direct_min_bytes, 0)
+            if end_check is not None:
+                check_choice("Dispatcher: end_check", end_check, ("eager", "deferred"))
         except (TypeError, ValueError) as err:
             local_error = err
             max_chunks = max_chunks if isinstance(max_chunks, int) else MAX_CHUNKS
         self.index = next_index(self.group)
+        device_type = group_device(self.group).type
+        if end_check not in ("eager", "deferred"):
+            end_check = "eager" if device_type == "cpu" else "deferred"
         settings = dict(index=self.index, num_experts=num_experts, max_chunks=max_chunks, strict=bool(strict),
-                        direct_min_bytes=direct_min_bytes)
+                        direct_min_bytes=direct_min_bytes, end_check=end_check)
         agree(self.group, settings, what="Dispatcher", local_error=local_error)
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.world_size
         self.num_chunks, self.max_chunks = num_chunks, max_chunks
         self.backend, self.strict, self.timeout = backend, bool(strict), timeout
-        self.direct_min_bytes = direct_min_bytes
+        self.direct_min_bytes, self.end_check = direct_min_bytes, end_check
         self.config_hash = zlib.crc32(repr(sorted(settings.items())).encode())
         self.channel = Channel(self.group, self.index, max_chunks * self.num_local_experts, timeout)
         self._transports = {}
         self.timeline = Timeline(rank=self.rank)  # disabled: records nothing until enabled
-        self.workspace = Workspace()  # persistent buffers for the transfers' temporaries
+        self.workspace = shared_workspace()  # scratch rows of the transfers, one set per process (CPU)
         self.auto = AutoChunker(self.group, self.channel.device)
+        self.last_transport = ""  # name of the Transport the last call used ("all_to_all", "point_to_point", ...)
 
     # ---------------------------------------------------------------- properties
     @property
@@ -131,7 +145,7 @@ class Dispatcher:
         return self._transports[kind]
 
     # ---------------------------------------------------------------- the control exchange of a call
-    def _header(self, phase: Phase, call: int, C: int, row_bytes: int = -1, dtype: int = -1) -> torch.Tensor:
+    def _header(self, phase: Phase, call: int, C: int, row_bytes: int = -1, dtype: int = -1) -> list:
         return header(phase, dispatcher=self.index, call=call, chunks=C, experts=self.num_experts,
                       world=self.world_size, row_bytes=row_bytes, dtype=dtype, config=self.config_hash)
 
@@ -190,6 +204,7 @@ class Dispatcher:
         send_WCe, recv_WCe = [counts(r) for r in sent], [counts(r) for r in rows]
         layout.set_num_rows(sum(sum(sum(x) for x in per_c) for per_c in send_WCe))
         kind = choose(W, e, C, [r[Word.ROWS] for r in rows], rows[0][Word.ROW_BYTES], self.direct_min_bytes)
+        self.last_transport = kind.name
         recv_counts_WCe = pending.recv_WX[:, base:base + C * e].reshape(W, C, e)
         chunks = build_chunk_plans(send_WCe, recv_WCe, recv_counts_WCe, regroup=kind.regroups and e > 1,
                                    call=pending.call)
@@ -197,9 +212,11 @@ class Dispatcher:
                               transport=self.transport(kind), owner=id(self))
 
     def _exchange_status(self, phase: Phase, handle: DispatchHandle, error: Optional[BaseException] = None,
-                         failed: Failure = Failure.NONE, chunk: int = -1, row_bytes: int = -1, dtype: int = -1):
+                         failed: Failure = Failure.NONE, chunk: int = -1, row_bytes: int = -1, dtype: int = -1,
+                         deferrable: bool = False):
         """A control exchange without counts (end of a phase, combine, a backward): raises on every rank
-        when any rank failed or is elsewhere. One process: only this rank's own error is raised."""
+        when any rank failed or is elsewhere; ``deferrable`` end-of-phase exchanges are only issued when
+        ``end_check="deferred"`` (read with the next one). One process: only this rank's own error."""
         if self.world_size == 1:
             if error is not None:
                 raise error
@@ -207,7 +224,18 @@ class Dispatcher:
         hdr = self._header(phase, handle.call, len(handle.chunks), row_bytes, dtype)
         hdr[Word.CHUNK] = chunk
         with self.workspace.dropped_on_error():
-            self.channel.end(self.channel.begin(phase, hdr, local_error=error, failed=failed))
+            pending = self.channel.begin(phase, hdr, local_error=error, failed=failed)
+            if deferrable and self.end_check == "deferred":
+                self.channel.defer(pending)
+            else:
+                self.channel.end(pending)
+
+    def check(self) -> None:
+        """Collective: read the deferred end-of-phase exchanges now (``end_check="deferred"``); raises on every
+        rank if a rank failed in the last call. A no-op when nothing is deferred (on every rank alike)."""
+        if self.channel.deferred:
+            with self.workspace.dropped_on_error():
+                self.channel.end(None)
 
     # ---------------------------------------------------------------- public API
     def dispatch(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor) -> DispatchOutput:

@@ -83,7 +83,9 @@ class _Failure:
     def close(self, d, phase: Phase, handle) -> None:
         """The end-of-phase control exchange: raises on every rank if any rank failed."""
         failed = Failure.NONE if self.error is None else Failure.RAISED
-        d._exchange_status(phase, handle, self.error, failed, chunk=self.chunk)
+        d._exchange_status(phase, handle, self.error, failed, chunk=self.chunk, deferrable=True)
+        if self.error is not None:  # end_check="deferred": this rank raises now, its peers at their next read
+            raise self.error
 
 
 def _wait(inflight, failure: _Failure, chunk: int, rows: int, like: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import Dict, Tuple
 
 import torch
 
-__all__ = ["Workspace"]
+__all__ = ["Workspace", "shared_workspace"]
 
 
 class Workspace:
@@ -26,6 +26,10 @@ class Workspace:
         self._bufs: Dict[Tuple[str, torch.dtype, torch.device, bool], torch.Tensor] = {}
 
     def rows(self, name: str, num_rows: int, width: int, like: torch.Tensor) -> torch.Tensor:
+        if like.device.type != "cpu":
+            # Accelerators: the caching allocator already reuses memory, and it knows which stream still
+            # reads a block (a persistent buffer would be reused while an in-flight NCCL op reads it).
+            return torch.empty(num_rows, width, dtype=like.dtype, device=like.device)
         # Buffers made under inference_mode are inference tensors that training may not write: keyed apart.
         key = (name, like.dtype, like.device, torch.is_inference_mode_enabled())
         numel = num_rows * width
@@ -51,3 +55,13 @@ class Workspace:
 
     def clear(self) -> None:
         self._bufs.clear()
+
+
+_SHARED = Workspace()
+
+
+def shared_workspace() -> Workspace:
+    """The process's one Workspace, shared by every Dispatcher (and so every layer): calls run one after
+    another on a thread, so one set of buffers per (dtype, device) serves a whole model; a 60-layer model
+    holds the scratch of its largest layer, not 60 sets."""
+    return _SHARED

@@ -18,6 +18,8 @@ If it cannot be built (no compiler, missing sources) ``available()`` warns once 
 from __future__ import annotations
 
 import functools
+import hashlib
+import time
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -39,6 +41,28 @@ _LDFLAGS = ("-fopenmp",)
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
+STALE_LOCK_S = 300  # a build takes ~30 s here; a lock older than this was left by a killed build
+
+
+def _build_name(sources) -> str:
+    """Extension name keyed by the sources, flags and torch version: two checkouts or versions never share
+    (and so never rebuild) one cache entry."""
+    h = hashlib.sha256()
+    for p in sources:
+        h.update(Path(p).read_bytes())
+    h.update(repr((_CFLAGS, _LDFLAGS, torch.__version__)).encode())
+    return f"moe_comm_native_{h.hexdigest()[:12]}"
+
+
+def _drop_stale_lock(lock: Path) -> None:
+    """torch waits forever on the build lock of a build that was killed; remove one that is clearly stale."""
+    try:
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+    except OSError:  # another process removed it first, or no permission: let torch handle the lock
+        pass
+
+
 @functools.lru_cache(maxsize=None)
 def _extension() -> Optional[ModuleType]:
     """The built extension module, or None after one warning saying why it could not be built."""
@@ -50,7 +74,10 @@ def _extension() -> Optional[ModuleType]:
         return None
     try:
         from torch.utils import cpp_extension
-        return cpp_extension.load(name="moe_comm_native", sources=[str(p) for p in sources],
+        name = _build_name(sources)
+        build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+        _drop_stale_lock(build_dir / "lock")
+        return cpp_extension.load(name=name, sources=[str(p) for p in sources], build_directory=str(build_dir),
                                   extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), verbose=False)
     except Exception as exc:  # any build or import failure means: fall back, say why once
         reason = " ".join(str(exc).split())

@@ -36,8 +36,8 @@ from moe_comm.routing import Router, count_tokens
 __all__ = ["MoELayer"]
 
 # torch.utils.checkpoint's frames, to tell how a forward runs (see ``_checkpoint_mode``).
-_REENTRANT_FORWARD = getattr(getattr(torch_checkpoint, "CheckpointFunction", None), "forward", None)
-_REENTRANT_CODE = getattr(_REENTRANT_FORWARD, "__code__", None)
+_REENTRANT_CODE = getattr(getattr(getattr(torch_checkpoint, "CheckpointFunction", None), "forward", None),
+                          "__code__", None)
 _CHECKPOINT_CODE = getattr(inspect.unwrap(torch_checkpoint.checkpoint), "__code__", None)
 
 
@@ -134,8 +134,10 @@ class MoELayer(nn.Module):
     recompute inside backward neither records load into the monitor, nor applies or schedules a bias
     step, nor replaces ``aux_loss``; it routes with the bias the original forward used (also with
     gradient accumulation). With ``use_reentrant=True`` the first forward runs under no_grad: the layer
-    then computes the router alone with grad enabled, so ``aux_loss`` keeps its gradient (it keeps the
-    router's [T, E] scores alive until backward, as an unchecked router would).
+    then runs the router alone with grad enabled, so ``aux_loss`` keeps its gradient (the cost: the
+    router's [T, E] activations stay alive until backward, as without checkpointing). Both are detected
+    from torch.utils.checkpoint's frames; another checkpoint implementation gets neither (the recompute
+    still records nothing).
 
     The router weight is replicated: it is broadcast from EP rank 0 at construction, and its
     gradient holds the local tokens' contribution only; all-reduce it over the data-parallel

@@ -51,6 +51,8 @@ class BenchPoint:
     num_chunks: int = 1
     workload: str = "uniform"
     layer_step_s: float = 0.0        # pipelined layer forward + backward with num_chunks (0: not measured)
+    layer_transport: str = ""        # the transport the layer chose by itself for this point
+    layer_step_by_transport_s: Dict[str, float] = None  # the same step with each transport forced
     phases_s: Dict[str, float] = None  # layout, permute, counts, a2a, regroup, unpermute, barrier, min_dispatch,
     #                                    min_combine (slowest rank)
     direct: bool = False             # dispatch/combine moved rows point-to-point (no regroup)
@@ -159,6 +161,31 @@ def _raw(x, out, plan, group, back: bool = False):
     wait_work(all_to_all_v_async(out, x, out_splits, in_splits, group), "raw a2a")
 
 
+def _layer_steps(layer, xs: torch.Tensor, group, repeats: int):
+    """Layer forward + backward: with the transport it chooses itself, and with each transport forced (the
+    same threshold on every rank, so every rank takes the same one). Interleaved; slowest rank's median."""
+    d = layer.dispatcher
+    default, force = d.direct_min_bytes, {"all_to_all": 1 << 62}
+    if d.num_local_experts > 1 and d.world_size > 1:
+        force["point_to_point"] = 0
+    def step():
+        y = layer(xs)
+        y.float().square().mean().backward()
+
+    samples = {name: [] for name in ["default", *force]}
+    for i in range(repeats + 1):
+        for name in samples:
+            d.direct_min_bytes = default if name == "default" else force[name]
+            t = timed(step, group)
+            if i:  # the first round warms up every path
+                samples[name].append(t)
+    d.direct_min_bytes = default
+    layer(xs)  # which transport the layer takes by itself (every rank takes the same)
+    chosen = d.last_transport
+    med = {name: slowest_median(v, group) for name, v in samples.items()}
+    return med.pop("default"), chosen, med
+
+
 def grid_points(opts: Dict) -> List[Dict]:
     """Cartesian product of the list-valued options (tokens, hidden, top_k, experts, chunks, dtype, workload)."""
     import itertools
@@ -203,10 +230,8 @@ def bench_rank(rank: int, world_size: int, opts: Dict) -> List[Dict]:
                                 num_chunks=pt["chunks"])
                 layer = MoELayer(cfg, seed=1, dtype=dtype)
                 xs = x[: min(T, opts.get("layer_tokens", 1024))].clone().requires_grad_(True)
-                times = []
-                for i in range(3):
-                    times.append(timed(lambda: layer(xs).float().square().mean().backward(), d.group))
-                point.layer_step_s = slowest_median(times[1:], d.group)
+                point.layer_step_s, point.layer_transport, point.layer_step_by_transport_s = \
+                    _layer_steps(layer, xs, d.group, opts.get("layer_repeats", 3))
             results.append(point.as_dict())
             if progress is not None:
                 progress.advance(task)

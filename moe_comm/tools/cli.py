@@ -174,7 +174,7 @@ def _print_bench(points: List[dict]) -> None:
                     "(slowest rank, medians)")
     cols = ("W", "T", "H", "K", "E", "C", "dtype", "workload", "KiB/pair", "disp GB/s", "comb GB/s", "raw GB/s",
             "e2e/raw", "limit", "path", "tok/s", "layout", "permute", "counts", "a2a", "regroup", "unperm", "floor",
-            "layer ms")
+            "layer ms", "layer a2a", "layer p2p")
     for c in cols:
         t.add_column(c, justify="right")
     for p in points:
@@ -186,13 +186,21 @@ def _print_bench(points: List[dict]) -> None:
                   f"{p['tokens_per_s']:.0f}",
                   *(f"{ph[k] * 1e3:.2f}" for k in ("layout", "permute", "counts", "a2a", "regroup", "unpermute",
                                                    "barrier")),
-                  f"{p['layer_step_s'] * 1e3:.1f}" if p["layer_step_s"] else "-")
+                  f"{p['layer_step_s'] * 1e3:.1f} {_short(p.get('layer_transport', ''))}" if p["layer_step_s"] else "-",
+                  *(f"{(p.get('layer_step_by_transport_s') or {}).get(k, 0) * 1e3:.1f}"
+                    if (p.get("layer_step_by_transport_s") or {}).get(k) else "-"
+                    for k in ("all_to_all", "point_to_point")))
     t.caption = ("e2e/raw = 2 x raw a2a time / (dispatch + combine time); limit = 2 x raw / (min dispatch + "
                  "min combine): the unavoidable passes (layout, counts under the permute, raw a2a; raw a2a, "
                  "unpermute) timed back to back, none overlapping a transfer (moe_comm/bench.py); path: p2p = "
                  "rows sent point-to-point into expert-major order, a2a = one all-to-all + regroup; phase columns in ms, each timed on its own, each including one barrier "
-                 "(floor); layer ms = pipelined MoELayer forward+backward with C chunks")
+                 "(floor); layer ms = pipelined MoELayer forward+backward with C chunks and the transport it chose; layer "
+                 "a2a / p2p = the same step with that transport forced (the layer runs dispatch's transports)")
     Console(width=220).print(t)
+
+
+def _short(transport: str) -> str:
+    return {"all_to_all": "(a2a)", "point_to_point": "(p2p)", "local": "(local)"}.get(transport, "")
 
 
 def _plot_bench(points: List[dict], path: str) -> None:

@@ -334,3 +334,49 @@ def test_second_combine_of_a_handle_raises_locally():
     d.combine(out.tokens, w, out.handle)
     with pytest.raises(ValueError, match="already combined"):
         d.combine(out.tokens, w, out.handle)
+
+
+def _rank_deferred(rank, world_size, bad):
+    """end_check="deferred": the failing rank raises at once; its peers return (placeholder rows) and raise
+    at their next read of the Dispatcher - the backward's check-in, the next call, or check()."""
+    E = 2 * world_size
+    out = {}
+    for name, threshold in TRANSPORTS:
+        d = moe_comm.Dispatcher(num_experts=E, direct_min_bytes=threshold, timeout=30.0, end_check="deferred")
+        x, idx, w = _inputs(rank, E, T=9)
+
+        def expert_fn(t, c):
+            if rank == bad:
+                raise ValueError("expert_fn failed on purpose")
+            return t * 2.0
+
+        def train_step():  # peers reach the backward; the failing rank goes on to its next forward
+            y = d(x.clone().requires_grad_(True), idx, w, expert_fn, num_chunks=2)
+            y.sum().backward()
+
+        first = _outcome(train_step)
+        # The failing rank's next call meets its peers' backward check-in: the deferred failure raises there.
+        second = _outcome(lambda: d(x, idx, w, lambda t, c: t, num_chunks=2)) if rank == bad else "skipped"
+        out[(name, "train")] = (first, second, _good_call(d, rank, E, 2))
+        # check(): the deferred exchange read on demand, by every rank
+        y_or_error = _outcome(lambda: d(x, idx, w, expert_fn, num_chunks=1))
+        out[(name, "check")] = (y_or_error, _outcome(d.check), _good_call(d, rank, E, 1))
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_deferred_end_check_raises_at_the_next_read_on_every_rank(ranks, world_size):
+    bad = world_size - 1
+    res = ranks(world_size).run(_rank_deferred, bad, timeout=120)
+    for rank, per_rank in enumerate(res):
+        for (name, kind), (first, second, next_ok) in per_rank.items():
+            assert next_ok, (rank, name, kind)
+            if rank == bad:
+                assert first.startswith("ValueError:") and "on purpose" in first, (rank, name, kind, first)
+                assert second.startswith("ValueError:") and f"[{bad}]" in second, (rank, name, kind, second)
+            elif kind == "train":  # the forward returned; the backward's check-in raised
+                assert first.startswith("PeerFailed:") and f"[{bad}]" in first, (rank, name, first)
+            else:  # the forward returned a value (documented), check() raised
+                assert first == "value", (rank, name, first)
+                assert second.startswith("PeerFailed:") and "on purpose" in second, (rank, name, second)

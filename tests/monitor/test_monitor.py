@@ -385,3 +385,45 @@ def test_monitor_group_reduce_equals_recount(ranks, world_size):
             assert hist["dropped"] == exp_drops
             assert hist["router_entropy"] == pytest.approx(exp_ent)
             assert summ == results[0][1], "every rank sees the same global statistics"
+
+
+def test_huge_window_is_rejected_before_allocating():
+    """A window whose device state would not fit raises at construction, naming window and the bytes."""
+    with pytest.raises(ValueError, match=r"window=10000000000 would need 23,200,000,014,344 bytes .* 256 experts \(2320 bytes per step\)"):
+        LoadMonitor(256, window=10 ** 10)
+    mon = LoadMonitor(256, window=400_000)  # 0.93 GB of state: allowed, allocated at the first observe
+    assert mon.window == 400_000
+    with pytest.raises(ValueError, match=r"the limit is 1,073,741,824 bytes, i.e. window <= 462,813"):
+        LoadMonitor(256, window=500_000)
+    with pytest.raises(TypeError, match="LoadMonitor: window must be an int"):
+        LoadMonitor(E, window=10.0)
+
+
+def _strict_json(text):
+    def reject(constant):
+        raise ValueError(f"not JSON: {constant}")
+    return json.loads(text, parse_constant=reject)
+
+
+def test_to_json_writes_null_for_undefined_figures(tmp_path):
+    """An expert still hot after a step with no tokens at all has load_over_mean = 0/0 (the EMA is all
+    zeros with ema_decay=0): written as null, so the file is valid JSON for any reader."""
+    mon = LoadMonitor(4, window=4, ema_decay=0.0, hot_persistence=2)
+    hot = torch.tensor([10, 0, 0, 0])
+    for counts in (hot, hot, torch.zeros(4, dtype=torch.int64)):
+        mon.observe(counts, 0, torch.full((3, 4), 0.25) if counts.sum() else torch.zeros(0, 4))
+    assert math.isnan(mon.summary()["hot_experts"][0]["load_over_mean"]), "the case this test is about"
+    path = mon.to_json(tmp_path / "mon.json")
+    data = _strict_json(open(path).read())
+    assert data["hot_experts"] == [{"expert": 0, "rank": 0, "load_over_mean": None, "since_step": 1}]
+    assert data["history"]["router_entropy"][-1] is None and data["steps"] == 3
+
+
+def test_report_module_writes_json_and_plots():
+    """The JSON and plot writers live in monitor/report.py; LoadMonitor stays exported where it was."""
+    import moe_comm
+    from moe_comm.monitor import report
+
+    assert moe_comm.LoadMonitor is LoadMonitor and moe_comm.monitor.LoadMonitor is LoadMonitor
+    assert report.json_safe({"a": [1.0, float("nan")], "b": float("-inf"), "c": (2, "x")}) == \
+        {"a": [1.0, None], "b": None, "c": [2, "x"]}
