@@ -108,12 +108,11 @@ class Channel:
         earlier, self.deferred = self.deferred, []
         todo = earlier + ([] if pending is None else [pending])
         for p in todo:
-            wait_work(p.work, PHASE_TEXT[p.phase], timeout=self.timeout, rank=self.rank,
+            wait_work(p.work, PHASE_TEXT[p.phase], timeout=self.timeout, rank=self.rank, direction=_direction(p.phase),
                       what="control exchange", group=self.group, where=p.where)
         if self.timeline is not None and pending is not None:
             span = "counts" if pending.phase in (Phase.FORWARD, Phase.DISPATCH) else "control"
-            backward = pending.phase in (Phase.BACKWARD, Phase.BACKWARD_END, Phase.DISPATCH_BWD, Phase.COMBINE_BWD)
-            self.timeline.comm(span, None, direction="bwd" if backward else "fwd", start=pending.start)
+            self.timeline.comm(span, None, direction=_direction(pending.phase), start=pending.start)
         if not todo:
             return [], []
         both = torch.cat([t for p in todo for t in (p.send_WX, p.recv_WX)]).tolist()  # host sync: the phase's one read
@@ -191,6 +190,10 @@ class Channel:
         if all(rows[r][Word.FAILED] == Failure.REJECTED for r in failed):
             raise RemoteError(f"moe_comm: EP rank(s) {failed} rejected their input {ctx}")
         raise PeerFailed(f"moe_comm: EP rank(s) {failed} failed mid-call {ctx}")
+
+
+def _direction(phase: Phase) -> str:
+    return "bwd" if phase in (Phase.BACKWARD, Phase.BACKWARD_END, Phase.DISPATCH_BWD, Phase.COMBINE_BWD) else "fwd"
 
 
 def as_collective_error(err: BaseException) -> bool:

@@ -107,7 +107,9 @@ def wait_work(work, phase: str, chunk: int = -1, *, timeout: Optional[float] = N
     if work is None:
         return
     try:
-        if timeout is None:
+        if timeout is None or group_device(group).type != "cpu":
+            # NCCL: wait() only makes the current stream wait; wait(timeout) would block the host until the
+            # collective finished. The process group's own timeout (its watchdog) bounds it there instead.
             work.wait()
         else:
             work.wait(timeout=datetime.timedelta(seconds=timeout))

@@ -34,6 +34,8 @@ from moe_comm.profiling import Timeline
 __all__ = ["Dispatcher", "DispatchOutput", "DispatchHandle", "ChunkPlan"]
 
 MAX_CHUNKS = 16  # default bound on C per call: sizes the control exchange (S = max_chunks x e words per rank)
+DIRECT_MIN_BYTES_CPU = 1 << 20  # gloo, 4 ranks on 2 cores: point-to-point slower at 256 KiB, faster at 4 MiB
+NEVER = 1 << 62
 
 
 class Dispatcher:
@@ -50,10 +52,13 @@ class Dispatcher:
             Default False: a NaN token poisons only its own output rows.
         timeout: seconds to wait for any one exchange before raising CollectiveError naming the phase,
             the chunk and the peers that did not arrive (None: the process group's timeout). After a
-            CollectiveError the group is marked unusable: every later call raises at once.
+            CollectiveError the group is marked unusable: every later call raises at once. On NCCL groups
+            waits never block the host: the process group's own timeout (watchdog) applies there.
         direct_min_bytes: rows move point-to-point straight into expert-major order (no regroup pass)
             when the mean (rank pair, local expert, chunk) segment is at least this large; smaller ones
             go in one all-to-all plus a regroup, which costs fewer round trips (see ``transport.choose``).
+            None: 1 MiB on CPU groups (measured on gloo); never on CUDA (W x e NCCL sends per call, not
+            measured there: the collective path).
         max_chunks: the largest C a call may use (sizes the fixed control exchange; default
             max(16, num_chunks)).
         end_check: when the end-of-forward and end-of-backward exchanges of ``__call__`` are read.
@@ -72,7 +77,7 @@ class Dispatcher:
 
     def __init__(self, num_experts: int, ep_group: Optional[dist.ProcessGroup] = None, num_chunks=1,
                  *, backend: str = "auto", strict: bool = False, timeout: Optional[float] = None,
-                 direct_min_bytes: int = 1 << 20, max_chunks: Optional[int] = None,
+                 direct_min_bytes: Optional[int] = None, max_chunks: Optional[int] = None,
                  end_check: Optional[str] = None):
         self.group = resolve_group(ep_group)
         self.world_size = group_size(self.group)
@@ -93,7 +98,8 @@ class Dispatcher:
             check_choice("Dispatcher: backend", backend, BACKENDS)
             if timeout is not None:
                 check_float("Dispatcher: timeout", timeout, 0.0, low_open=True)
-            check_int("Dispatcher: direct_min_bytes", direct_min_bytes, 0)
+            if direct_min_bytes is not None:
+                check_int("Dispatcher: direct_min_bytes", direct_min_bytes, 0)
             if end_check is not None:
                 check_choice("Dispatcher: end_check", end_check, ("eager", "deferred"))
         except (TypeError, ValueError) as err:
@@ -101,6 +107,9 @@ class Dispatcher:
             max_chunks = max_chunks if isinstance(max_chunks, int) else MAX_CHUNKS
         self.index = next_index(self.group)
         device_type = group_device(self.group).type
+        if not isinstance(direct_min_bytes, int) or isinstance(direct_min_bytes, bool):
+            # Measured on gloo only; on CUDA W x e NCCL sends per call are unmeasured: the collective path.
+            direct_min_bytes = DIRECT_MIN_BYTES_CPU if device_type == "cpu" else NEVER
         if end_check not in ("eager", "deferred"):
             end_check = "eager" if device_type == "cpu" else "deferred"
         settings = dict(index=self.index, num_experts=num_experts, max_chunks=max_chunks, strict=bool(strict),
@@ -114,7 +123,9 @@ class Dispatcher:
         self.config_hash = zlib.crc32(repr(sorted(settings.items())).encode())
         self.channel = Channel(self.group, self.index, max_chunks * self.num_local_experts, timeout)
         self._transports = {}
-        self.timeline = Timeline(rank=self.rank)  # disabled: records nothing until enabled
+        # Disabled: records nothing until enabled. On CUDA its spans are CUDA events on the working streams
+        # (NCCL's Work completes at enqueue, so host clocks would read ~0 for comm).
+        self.timeline = Timeline(rank=self.rank, device=self.channel.device)
         self.workspace = shared_workspace()  # scratch rows of the transfers, one set per process (CPU)
         self.auto = AutoChunker(self.group, self.channel.device)
         self.last_transport = ""  # name of the Transport the last call used ("all_to_all", "point_to_point", ...)
