@@ -8,11 +8,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
+import torch
+
 from moe_comm._checks import check_bool, check_choice, check_float, check_int
 
 __all__ = ["MoEConfig"]
 
 _SCORE_FUNCS = ("softmax", "sigmoid")
+_ROUTER_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +41,14 @@ class MoEConfig:
         route_scale: constant multiplying the routing weights (DeepSeek-V3 uses 2.5 with sigmoid).
         num_shared_experts: always-on dense SwiGLU experts added to the routed output.
         shared_ffn_hidden_size: F of the shared experts (default: ffn_hidden_size * num_shared_experts).
+        shared_expert_gate: scale the shared experts' output per token by ``sigmoid(x @ g.T)``, g the
+            layer's ``shared_expert_gate.weight`` [1, H] (Qwen2-MoE). Needs num_shared_experts >= 1.
+        router_dtype: dtype of the router weight and of the logits matmul (x is cast to it), independent
+            of the experts' dtype: torch.float32 keeps an fp32 router next to bf16 experts (DeepSeek-V3),
+            torch.bfloat16 computes bf16 logits as a bf16 Hugging Face model does. None (default): the
+            weight has the layer's dtype, the logits are float32 (float64 for float64 x). Scores and
+            routing weights are float32 (float64 when the logits are). Under ``torch.autocast`` the
+            router runs as stated here, outside autocast.
     """
 
     hidden_size: int
@@ -55,6 +66,8 @@ class MoEConfig:
     route_scale: float = 1.0
     num_shared_experts: int = 0
     shared_ffn_hidden_size: Optional[int] = None
+    shared_expert_gate: bool = False
+    router_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self) -> None:
         for name, low in (("hidden_size", 1), ("ffn_hidden_size", 1), ("num_experts", 1), ("top_k", 1),
@@ -94,6 +107,13 @@ class MoEConfig:
             check_float("MoEConfig.capacity_factor", self.capacity_factor, 0.0, low_open=True)
         if self.shared_ffn_hidden_size is not None:
             check_int("MoEConfig.shared_ffn_hidden_size", self.shared_ffn_hidden_size, 1)
+        check_bool("MoEConfig.shared_expert_gate", self.shared_expert_gate)
+        if self.shared_expert_gate and self.num_shared_experts == 0:
+            raise ValueError("MoEConfig.shared_expert_gate needs num_shared_experts >= 1, got num_shared_experts=0")
+        if self.router_dtype is not None:
+            if not isinstance(self.router_dtype, torch.dtype):
+                raise TypeError(f"MoEConfig.router_dtype must be None or a torch.dtype, got {self.router_dtype!r}")
+            check_choice("MoEConfig.router_dtype", self.router_dtype, _ROUTER_DTYPES)
 
     @property
     def shared_ffn_size(self) -> int:

@@ -33,6 +33,10 @@ from moe_comm.profiling import Timeline
 
 __all__ = ["Dispatcher", "DispatchOutput", "DispatchHandle", "ChunkPlan"]
 
+# torch.compile: every public call is one opaque step (host-side protocol, collectives, host reads of counts);
+# the graph breaks exactly here and the router and everything around the layer compile.
+_graph_break = torch.compiler.disable
+
 MAX_CHUNKS = 16  # default bound on C per call: sizes the control exchange (S = max_chunks x e words per rank)
 DIRECT_MIN_BYTES_CPU = 1 << 20  # gloo, 4 ranks on 2 cores: point-to-point slower at 256 KiB, faster at 4 MiB
 NEVER = 1 << 62
@@ -241,6 +245,7 @@ class Dispatcher:
             else:
                 self.channel.end(pending)
 
+    @_graph_break
     def check(self) -> None:
         """Collective: read the deferred end-of-phase exchanges now (``end_check="deferred"``); raises on every
         rank if a rank failed in the last call. A no-op when nothing is deferred (on every rank alike)."""
@@ -249,6 +254,7 @@ class Dispatcher:
                 self.channel.end(None)
 
     # ---------------------------------------------------------------- public API
+    @_graph_break
     def dispatch(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor) -> DispatchOutput:
         """Send every routed row to its expert's rank.
 
@@ -289,6 +295,7 @@ class Dispatcher:
         dtype_code(expert_out_RH.dtype)
         check_weights(topk_weight_TK, handle)
 
+    @_graph_break
     def combine(self, expert_out_RH: torch.Tensor, topk_weight_TK: torch.Tensor,
                 handle: DispatchHandle) -> torch.Tensor:
         """Send expert outputs back and sum each token's K slots with their weights.
@@ -326,6 +333,7 @@ class Dispatcher:
         with self.timeline.compute("unpermute"):
             return ops.unpermute(y_NH, handle.layout, topk_weight_TK, backend=self.backend)
 
+    @_graph_break
     def __call__(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor,
                  expert_fn: Callable[..., torch.Tensor], *, num_chunks: Optional[int] = None,
                  side_fn: Optional[Callable[[], torch.Tensor]] = None):
@@ -371,6 +379,7 @@ class Dispatcher:
             self.auto.record_trial(now(x_TH.device) - t_start)
         return y_TH if side_fn is None else (y_TH, side_out)
 
+    @_graph_break
     def fail(self, error: Exception, num_chunks: Optional[int] = None, device=None):
         """Reject this rank's input collectively: join the forward's control exchange with ``error`` so every
         rank raises (naming this one) instead of waiting in the exchange. Always raises.

@@ -32,6 +32,16 @@ def _init_expert_(w1_FH, w3_FH, w2_HF, generator: torch.Generator) -> None:
         w.copy_(torch.empty(w.shape, dtype=torch.float32).uniform_(-b, b, generator=generator).to(w.dtype))
 
 
+def _autocast_dtype(x_RH: torch.Tensor) -> Optional[torch.dtype]:
+    """The dtype ``torch.autocast`` computes x's GEMMs in, or None (autocast off, or x float64, which
+    autocast leaves alone)."""
+    device_type = x_RH.device.type
+    if x_RH.dtype == torch.float64 or not torch.amp.is_autocast_available(device_type) \
+            or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
 def _use_grouped_mm(x_RH: torch.Tensor) -> bool:
     # torch._grouped_mm: CUDA bf16 on sm90+; its CPU backward rejects small strides (measured on 2.13).
     return (hasattr(torch, "_grouped_mm") and x_RH.is_cuda and x_RH.dtype == torch.bfloat16
@@ -147,15 +157,29 @@ class GroupedExperts(nn.Module):
 
         counts: host list equal to tokens_per_expert_e; without it the loop path reads the
         tensor once (a host sync on CUDA).
+        Under ``torch.autocast`` the GEMMs run in the autocast dtype, as autocast runs a linear: rows and
+        weights are cast to it (the weight gradients flow back to the parameters' dtype) and the output
+        is in that dtype (the pipeline casts it to x's dtype for the wire).
         """
-        if _use_grouped_mm(tokens_RH):
+        w1, w3, w2 = self.w1, self.w3, self.w2
+        amp_dtype = _autocast_dtype(tokens_RH)
+        if amp_dtype is not None:
+            device_type = tokens_RH.device.type
+            with torch.autocast(device_type, enabled=False):  # the explicit casts below are the whole policy
+                return self._compute(tokens_RH.to(amp_dtype), w1.to(amp_dtype), w3.to(amp_dtype),
+                                     w2.to(amp_dtype), tokens_per_expert_e, counts)
+        return self._compute(tokens_RH, w1, w3, w2, tokens_per_expert_e, counts)
+
+    @staticmethod
+    def _compute(x_RH, w1, w3, w2, tokens_per_expert_e, counts) -> torch.Tensor:
+        if _use_grouped_mm(x_RH):
             offs = torch.cumsum(tokens_per_expert_e, 0).to(torch.int32)
-            h1 = torch._grouped_mm(tokens_RH, self.w1.transpose(-2, -1), offs=offs)
-            h3 = torch._grouped_mm(tokens_RH, self.w3.transpose(-2, -1), offs=offs)
-            return torch._grouped_mm(F.silu(h1) * h3, self.w2.transpose(-2, -1), offs=offs)
+            h1 = torch._grouped_mm(x_RH, w1.transpose(-2, -1), offs=offs)
+            h3 = torch._grouped_mm(x_RH, w3.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(F.silu(h1) * h3, w2.transpose(-2, -1), offs=offs)
         if counts is None:
             counts = tokens_per_expert_e.tolist()  # host sync: loop bounds (free on CPU tensors)
-        return _LoopSwiGLU.apply(tokens_RH, self.w1, self.w3, self.w2, list(counts))
+        return _LoopSwiGLU.apply(x_RH, w1, w3, w2, list(counts))
 
     # state_dict keyed by global expert id ------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
