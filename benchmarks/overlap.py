@@ -61,6 +61,7 @@ def _rank_main(rank, world_size, a):
         layer.timeline.enabled = False
         rep = overlap_report(layer.timeline.gather())["overall"]
         point = {"C": C, "chosen_C": layer.pipeline_plan.num_chunks if C == "auto" else C,
+                 "transport": layer.dispatcher.last_transport,
                  "step_s": slowest_median(times[C], None), "T_compute_s": rep["T_compute"], "T_comm_s": rep["T_comm"],
                  "hidden_s": rep["hidden"], "exposed_s": rep["exposed"],
                  "timeline_overlap_fraction": rep["overlap_fraction"]}
@@ -72,7 +73,8 @@ def _rank_main(rank, world_size, a):
                                                  num_experts=a["experts"], top_k=a["top_k"]), seed=1)
     with torch.no_grad():
         r = layer.router(x)
-    handle = layer.dispatcher._plan(x.detach(), r.topk_idx_TK, num_chunks=1)
+    with torch.no_grad():
+        handle = layer.dispatcher.dispatch(x.detach(), r.topk_idx_TK).handle  # collective: the real split sizes
     plan = handle.chunks[0]
     tokens = torch.randn(plan.num_recv, a["hidden"], requires_grad=True)
     x_NH = torch.randn(plan.num_rows, a["hidden"])
@@ -119,13 +121,13 @@ def _print(summaries):
     from rich.table import Table
 
     t = Table(title="MoE layer fwd+bwd: pipelined chunks vs the ideal max(T_compute, T_comm)")
-    for col in ("link", "W", "C", "step ms", "ideal ms", "step/ideal", "T_comp ms", "T_comm ms", "hidden ms",
+    for col in ("link", "W", "C", "transport", "step ms", "ideal ms", "step/ideal", "T_comp ms", "T_comm ms", "hidden ms",
                 "exposed ms", "tl overlap", "wall overlap"):
         t.add_column(col, justify="right")
     for s in summaries:
         for p in s["points"]:
             c = f"auto->{p['chosen_C']}" if p["C"] == "auto" else str(p["C"])
-            t.add_row(s["link"], str(s["world_size"]), c, f"{p['step_s'] * 1e3:.1f}", f"{s['ideal_s'] * 1e3:.1f}",
+            t.add_row(s["link"], str(s["world_size"]), c, p.get("transport", ""), f"{p['step_s'] * 1e3:.1f}", f"{s['ideal_s'] * 1e3:.1f}",
                       f"{p['vs_ideal']:.2f}", f"{p['T_compute_s'] * 1e3:.1f}", f"{p['T_comm_s'] * 1e3:.1f}",
                       f"{p['hidden_s'] * 1e3:.1f}", f"{p['exposed_s'] * 1e3:.1f}",
                       f"{p['timeline_overlap_fraction']:.0%}", f"{p['wallclock_hidden_fraction']:.0%}")

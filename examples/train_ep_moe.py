@@ -1,36 +1,50 @@
-"""Train a small stack of expert-parallel MoE layers on a synthetic clustered regression task.
+"""Train a small MoE transformer as EP x DP with FSDP2, checkpoint it with torch.distributed.checkpoint
+mid-run, resume at another EP size, and compare the whole loss curve with the same model trained in one
+process.
 
-Shapes legend: T tokens on this rank, D input features, O outputs, H hidden size, E experts (global),
-W EP world size.
+Shapes legend: B sequences per rank, L sequence length, T = B x L tokens per rank, D input features,
+O outputs, H hidden size, E experts (global), EP / DP expert- / data-parallel sizes, N = EP x DP ranks.
 
-Task: every token comes from one of ``--clusters`` clusters (centre mu_c in R^D); its target is that
-cluster's own random nonlinear map of the token's offset from the centre,
-``y = B_c tanh(A_c (x - mu_c)) + o_c``. A router that learns the clusters can hand each one to its own
-experts, so the experts help. The task (centres, maps) is the same on every rank; each rank samples
-its own tokens (its own seed, and uneven batch sizes).
+Task: sequences of tokens, each from one of E clusters (centre mu_c); the target of token t is its
+cluster's own nonlinear map of its offset from the centre plus a linear read of the mean of the tokens
+up to t: ``y_t = B_c tanh(A_c (x_t - mu_c)) + P (mean_{s<=t} x_s)``. The experts can specialise by
+cluster; the causal attention is needed for the context term. Every rank draws its own sequences.
 
-Model: in_proj [D -> H] -> layers x (x + MoELayer(RMSNorm(x))) -> RMSNorm -> head [H -> O].
-Replicated parameters (in/out projections, norms, router weights) get their gradients averaged over
-the group before the step, so they stay identical on every rank; expert weights are local to their
-rank (their gradient already sums every rank's tokens through the all-to-all backward).
+Model: in_proj [D -> H] -> layers x (x + Attention(RMSNorm(x)); x + MoELayer(RMSNorm(x))) -> RMSNorm ->
+head [H -> O]. The objective is the mean over the N ranks of each rank's loss (MSE + the router's aux
+loss on its own tokens).
 
-Run:
-    python examples/train_ep_moe.py --world-size 4             # spawns 4 gloo ranks on this CPU
-    torchrun --nproc-per-node 8 examples/train_ep_moe.py       # NCCL on cuda:LOCAL_RANK if CUDA
-Exits 1 when the final held-out loss is not below the initial one (usable as a smoke test), or when
-the replicated parameters differ between ranks at the end.
+Run (4 gloo ranks on this CPU, about 30 s here):
+    python examples/train_ep_moe.py                   # EP 2 x DP 2, then resumed at EP 4 x DP 1
+    python examples/train_ep_moe.py --resume-ep 1     # ... resumed at EP 1 x DP 4
+    torchrun --nproc-per-node 8 examples/train_ep_moe.py --ep 4   # NCCL on cuda:LOCAL_RANK if CUDA
+
+What it does, every rank:
+1. builds the model with ``MoELayer(cfg, ep_group=mesh)`` on the ('dp', 'ep') DeviceMesh and wraps it with
+   ``moe_comm.parallel.fully_shard_moe`` (FSDP2: replicated weights sharded, experts kept out of FSDP
+   and their gradients summed over the DP group / N);
+2. trains ``--steps`` / 2 steps, then ``dcp.save(get_state_dict(model, optimizer))``: every rank writes its
+   own experts and Adam state (nothing gathered);
+3. builds a FRESH model on an EP ``--resume-ep`` grid, ``dcp.load`` + ``set_state_dict``, trains the rest.
+Rank 0 (in the launching process) also trains the same model in one process on the union of the ranks'
+batches and prints both curves. Exits 1 unless the curves agree to ``--tolerance`` (relative; fp32
+rounding differs between the two: other summation orders) and the loss fell.
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
+import shutil
 import sys
+import tempfile
 import time
+import warnings
 from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 try:
@@ -38,246 +52,255 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import moe_comm
-from moe_comm.modules.checkpoint import full_state_dict
-from moe_comm.tools.launch import run_ranks
+from moe_comm import parallel
+from moe_comm.tools.launch import launched_by_torchrun, run_ranks
 
 IN_FEATURES = 16   # D
 OUT_FEATURES = 8   # O
 TASK_WIDTH = 32    # inner width of each cluster's target map
-EVAL_TOKENS = 512  # held-out tokens per rank
 
 
 # ------------------------------------------------------------------------------------------ task
-class ClusteredTask:
-    """The synthetic task: identical on every rank (built from ``seed``), sampled per rank.
+class SequenceTask:
+    """The synthetic task: identical in every process (built from ``seed``); ``sample(rank, step)`` is
+    rank ``rank``'s batch of step ``step``, the same whichever process draws it."""
 
-    Attributes: mu_CD [C, D] centres, A_CWD [C, 32, D] and B_COW [C, O, 32] the per-cluster maps,
-    o_CO [C, O] offsets; targets are scaled to unit variance.
-    """
-
-    def __init__(self, num_clusters: int, seed: int):
+    def __init__(self, num_clusters: int, seq_len: int, seqs_per_rank: int, seed: int):
         g = torch.Generator().manual_seed(seed)
         C, D, O, M = num_clusters, IN_FEATURES, OUT_FEATURES, TASK_WIDTH
-        self.num_clusters = C
-        self.mu_CD = torch.randn(C, D, generator=g) * 2.0  # well separated: |mu_a - mu_b| ~ 11 vs noise ~ 4
+        self.C, self.L, self.B, self.seed = C, seq_len, seqs_per_rank, seed
+        self.mu_CD = torch.randn(C, D, generator=g) * 2.0
         self.A_CMD = torch.randn(C, M, D, generator=g) * (1.5 / math.sqrt(D))
         self.B_COM = torch.randn(C, O, M, generator=g) / math.sqrt(M)
-        self.o_CO = torch.randn(C, O, generator=g)
-        self.scale = 1.0
-        _, y = self.sample(4096, torch.Generator().manual_seed(seed + 1))
-        self.scale = float(y.std())
+        self.P_OD = torch.randn(O, D, generator=g) / math.sqrt(D)
 
-    def sample(self, num_tokens: int, g: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
-        """-> x_TD [T, D], y_TO [T, O] float32 (CPU)."""
-        c_T = torch.randint(0, self.num_clusters, (num_tokens,), generator=g)
-        off_TD = torch.randn(num_tokens, IN_FEATURES, generator=g)
-        x_TD = self.mu_CD[c_T] + off_TD
-        h_TM = torch.tanh(torch.einsum("tmd,td->tm", self.A_CMD[c_T], off_TD))
-        y_TO = torch.einsum("tom,tm->to", self.B_COM[c_T], h_TM) + self.o_CO[c_T]
-        return x_TD, y_TO / self.scale
+    def sample(self, rank: int, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """-> x [B, L, D], y [B, L, O] float32 (CPU)."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 1009 + rank)
+        c_BL = torch.randint(0, self.C, (self.B, self.L), generator=g)
+        off = torch.randn(self.B, self.L, IN_FEATURES, generator=g)
+        x = self.mu_CD[c_BL] + off
+        h = torch.tanh(torch.einsum("blmd,bld->blm", self.A_CMD[c_BL], off))
+        ctx = x.cumsum(1) / torch.arange(1, self.L + 1).view(1, -1, 1)
+        y = torch.einsum("blom,blm->blo", self.B_COM[c_BL], h) + 0.5 * ctx @ self.P_OD.T
+        return x, y
 
 
 # ----------------------------------------------------------------------------------------- model
-class MoEBlock(nn.Module):
-    def __init__(self, cfg: moe_comm.MoEConfig, seed: int, device):
+class Attention(nn.Module):
+    """Causal multi-head self-attention: [B, L, H] -> [B, L, H]."""
+
+    def __init__(self, hidden: int, heads: int):
         super().__init__()
-        self.norm = nn.RMSNorm(cfg.hidden_size, device=device)
-        self.moe = moe_comm.MoELayer(cfg, seed=seed, device=device)
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.proj = nn.Linear(hidden, hidden, bias=False)
 
-    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
-        return x_TH + self.moe(self.norm(x_TH))
+    def forward(self, x_BLH: torch.Tensor) -> torch.Tensor:
+        B, L, H = x_BLH.shape
+        q, k, v = self.qkv(x_BLH).view(B, L, 3, self.heads, H // self.heads).permute(2, 0, 3, 1, 4)
+        return self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, L, H))
 
 
-class MoEStack(nn.Module):
-    """in_proj -> num_layers x MoEBlock -> RMSNorm -> head. ``forward`` returns (y_TO, aux_loss)."""
-
-    def __init__(self, cfg: moe_comm.MoEConfig, num_layers: int, seed: int, device):
+class Block(nn.Module):
+    def __init__(self, cfg: moe_comm.MoEConfig, heads: int, seed: int, **layer_kwargs):
         super().__init__()
-        H = cfg.hidden_size
-        self.in_proj = nn.Linear(IN_FEATURES, H, device=device)
-        self.blocks = nn.ModuleList(MoEBlock(cfg, seed + 1000 * i, device) for i in range(num_layers))
-        self.out_norm = nn.RMSNorm(H, device=device)
-        self.head = nn.Linear(H, OUT_FEATURES, device=device)
+        self.attn_norm = nn.RMSNorm(cfg.hidden_size)
+        self.attn = Attention(cfg.hidden_size, heads)
+        self.moe_norm = nn.RMSNorm(cfg.hidden_size)
+        self.moe = moe_comm.MoELayer(cfg, seed=seed, **layer_kwargs)
 
-    def forward(self, x_TD: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        h_TH = self.in_proj(x_TD)
+    def forward(self, x_BLH: torch.Tensor) -> torch.Tensor:
+        x_BLH = x_BLH + self.attn(self.attn_norm(x_BLH))
+        return x_BLH + self.moe(self.moe_norm(x_BLH))
+
+
+class MoETransformer(nn.Module):
+    """in_proj -> layers x Block -> RMSNorm -> head. ``forward`` returns (y [B, L, O], aux loss)."""
+
+    def __init__(self, cfg: moe_comm.MoEConfig, layers: int, heads: int, seed: int, **layer_kwargs):
+        super().__init__()
+        torch.manual_seed(seed)  # the dense weights: the same in every process whatever the grid
+        self.in_proj = nn.Linear(IN_FEATURES, cfg.hidden_size)
+        self.blocks = nn.ModuleList(Block(cfg, heads, seed + 1000 * i, **layer_kwargs) for i in range(layers))
+        self.out_norm = nn.RMSNorm(cfg.hidden_size)
+        self.head = nn.Linear(cfg.hidden_size, OUT_FEATURES)
+
+    def forward(self, x_BLD: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        h = self.in_proj(x_BLD)
         for block in self.blocks:
-            h_TH = block(h_TH)
-        aux = sum(block.moe.aux_loss for block in self.blocks)
-        return self.head(self.out_norm(h_TH)), aux
+            h = block(h)
+        return self.head(self.out_norm(h)), sum(block.moe.aux_loss for block in self.blocks)
 
 
-def split_params(model: nn.Module) -> Tuple[List[nn.Parameter], List[nn.Parameter]]:
-    """-> (replicated, expert): expert weights are those of GroupedExperts modules."""
-    expert_ids = {id(p) for m in model.modules() if isinstance(m, moe_comm.GroupedExperts)
-                  for p in m.parameters()}
-    replicated = [p for p in model.parameters() if id(p) not in expert_ids]
-    experts = [p for p in model.parameters() if id(p) in expert_ids]
-    return replicated, experts
+def make_model(args: argparse.Namespace, **layer_kwargs) -> MoETransformer:
+    cfg = moe_comm.MoEConfig(hidden_size=args.hidden, ffn_hidden_size=2 * args.hidden, num_experts=args.experts,
+                             top_k=args.top_k, aux_loss_coeff=1e-2)
+    return MoETransformer(cfg, args.layers, args.heads, args.seed, **layer_kwargs)
 
 
-def sync_grads(replicated: List[nn.Parameter], experts: List[nn.Parameter], stats: torch.Tensor,
-               world_size: int) -> torch.Tensor:
-    """Average the replicated gradients (and the scalar ``stats``) over the group in one all-reduce.
-
-    The objective is the mean over ranks of each rank's mean loss. A replicated gradient holds this
-    rank's term only, so it is averaged; an expert gradient already sums the terms of every rank
-    whose tokens reached the expert (the all-to-all backward brings them), so it is divided by W.
-    Returns the averaged stats.
-    """
-    if world_size == 1:
-        return stats
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in replicated]
-    flat = torch.cat([g.reshape(-1) for g in grads] + [stats.reshape(-1)])
-    dist.all_reduce(flat)
-    flat.div_(world_size)
-    offset = 0
-    for p in replicated:
-        n = p.numel()
-        p.grad = flat[offset:offset + n].view_as(p).clone()
-        offset += n
-    for p in experts:
-        if p.grad is not None:
-            p.grad.div_(world_size)
-    return flat[offset:]
+def rank_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    pred, aux = model(x)
+    return F.mse_loss(pred, y) + aux
 
 
-def replicated_max_diff(replicated: List[nn.Parameter], world_size: int) -> float:
-    """Largest elementwise difference of the replicated parameters between any two ranks."""
-    if world_size == 1:
-        return 0.0
-    flat = torch.cat([p.detach().reshape(-1) for p in replicated])
-    hi, lo = flat.clone(), flat.clone()
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-    return float((hi - lo).abs().max())
+def make_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+    # foreach=False: FSDP2's DTensor parameters and the plain expert parameters share one param group.
+    return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, foreach=False)
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, x_TD: torch.Tensor, y_TO: torch.Tensor, world_size: int) -> float:
-    """Held-out MSE averaged over ranks (collective: every rank calls it)."""
-    pred_TO, _ = model(x_TD)
-    loss = torch.nn.functional.mse_loss(pred_TO, y_TO).reshape(1)
-    if world_size > 1:
-        dist.all_reduce(loss)
-        loss /= world_size
-    return float(loss)
-
-
-# -------------------------------------------------------------------------------------- training
-def rank_batch(batch: int, rank: int, world_size: int) -> int:
-    """Uneven on purpose: rank r gets batch * (1 - r / 2W) tokens (256, 224, 192, 160 for W = 4)."""
-    return max(1, batch - (rank * batch) // (2 * world_size))
-
-
-def train(args: argparse.Namespace, rank: int, world_size: int, device: torch.device) -> dict:
-    """The training loop, run by every rank. Returns the (group-wide) results."""
-    log = print if rank == 0 else (lambda *a, **k: None)
-    torch.manual_seed(args.seed)  # same replicated init on every rank (the layer also broadcasts its router)
-    cfg = moe_comm.MoEConfig(hidden_size=args.hidden, ffn_hidden_size=args.ffn or 2 * args.hidden,
-                             num_experts=args.experts, top_k=args.top_k, aux_loss_coeff=1e-2)
-    model = MoEStack(cfg, args.layers, args.seed, device)
-    replicated, experts = split_params(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(  # cosine from lr to lr / 10
-        opt, lambda s: 0.1 + 0.45 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
-
-    task = ClusteredTask(args.clusters or args.experts, args.seed)
-    g_train = torch.Generator().manual_seed(args.seed * 7919 + 1 + rank)
-    x_eval, y_eval = (t.to(device) for t in task.sample(EVAL_TOKENS, torch.Generator().manual_seed(
-        args.seed * 7919 + 100_003 + rank)))
-    T_r = rank_batch(args.batch, rank, world_size)
-    global_tokens = sum(rank_batch(args.batch, r, world_size) for r in range(world_size))
-    n_rep = sum(p.numel() for p in replicated)
-    n_exp = sum(p.numel() for p in experts)
-    group = dist.get_backend() if world_size > 1 else "no group"
-    log(f"moe_comm {moe_comm.__version__}: W={world_size} on {device.type} ({group}), "
-        f"{args.layers} layers, H={cfg.hidden_size}, F={cfg.ffn_hidden_size}, E={cfg.num_experts} "
-        f"({cfg.num_experts // world_size}/rank), K={cfg.top_k}, tokens/step {global_tokens} "
-        f"(rank 0: {T_r}); params/rank: {n_rep} replicated + {n_exp} expert")
-
-    first = evaluate(model, x_eval, y_eval, world_size)
-    log(f"step {0:>5d}  eval loss {first:.4f}")
-    log_every = args.log_every or max(1, args.steps // 12)
-    t0, tokens_since, train_losses = time.perf_counter(), 0, []
-    for step in range(1, args.steps + 1):
-        x_TD, y_TO = (t.to(device) for t in task.sample(T_r, g_train))
-        pred_TO, aux = model(x_TD)
-        loss = torch.nn.functional.mse_loss(pred_TO, y_TO)
+# ------------------------------------------------------------------------------- one-process run
+def train_one_process(args: argparse.Namespace, world_size: int) -> List[float]:
+    """The reference: every expert in one process; each step the mean over the ranks' losses."""
+    task = SequenceTask(args.experts, args.seq_len, args.seqs, args.seed)
+    model = make_model(args, allow_single_process=True)
+    opt = make_optimizer(model, args)
+    losses = []
+    for step in range(args.steps):
+        loss = sum(rank_loss(model, *task.sample(r, step)) for r in range(world_size)) / world_size
         opt.zero_grad(set_to_none=True)
-        (loss + aux).backward()
-        stats = sync_grads(replicated, experts, torch.stack([loss.detach(), aux.detach().to(loss.dtype)]),
-                           world_size)
+        loss.backward()
         opt.step()
-        sched.step()
-        tokens_since += global_tokens
-        if step % log_every == 0 or step == args.steps:
-            mean_loss, mean_aux = stats.tolist()  # host sync: the printed numbers (also times the step on CUDA)
-            dt = time.perf_counter() - t0
-            log(f"step {step:>5d}  loss {mean_loss:.4f}  aux {mean_aux:.4f}  "
-                f"tok/s {tokens_since / dt:,.0f}  lr {sched.get_last_lr()[0]:.2e}")
-            train_losses.append(mean_loss)
-            t0, tokens_since = time.perf_counter(), 0
-
-    last = evaluate(model, x_eval, y_eval, world_size)
-    diff = replicated_max_diff(replicated, world_size)
-    log(f"replicated parameters: max difference between ranks {diff:.3g}")
-    if args.save:
-        state = full_state_dict(model)  # collective: every rank takes part
-        if rank == 0:
-            torch.save(state, args.save)
-            log(f"saved {len(state)} tensors (all {cfg.num_experts} experts) to {args.save}")
-    ok = last < first and diff == 0.0
-    ratio = first / last if last > 0 else float("inf")
-    log(f"final: held-out loss first {first:.4f} -> last {last:.4f} ({ratio:.1f}x lower)"
-        if last < first else
-        f"final: held-out loss first {first:.4f} -> last {last:.4f}: FAILED, the loss did not fall")
-    if diff != 0.0:
-        log(f"FAILED: replicated parameters differ between ranks (max difference {diff:.3g})")
-    return {"first": first, "last": last, "replicated_max_diff": diff, "ok": ok}
+        losses.append(float(loss.detach()))
+    return losses
 
 
-# ---------------------------------------------------------------------------------------- launch
-def _rank(rank: int, world_size: int, args: argparse.Namespace) -> dict:
-    """One rank (spawned gloo rank, or a torchrun rank: NCCL on cuda:LOCAL_RANK when CUDA exists)."""
+# --------------------------------------------------------------------------------- EP x DP ranks
+def grid(ep: int, world_size: int, device_type: str):
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh(device_type, (world_size // ep, ep), mesh_dim_names=("dp", "ep"))
+
+
+def train_phase(args, rank: int, world_size: int, ep: int, steps: range, device: torch.device,
+                load_from: Optional[str] = None, save_to: Optional[str] = None) -> List[float]:
+    """Build the model on an EP x DP grid (FSDP2), optionally load a DCP checkpoint, train ``steps``,
+    optionally save one. Returns the mean loss over the ranks of every step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    mesh = grid(ep, world_size, device.type)
+    with torch.device(device):
+        model = make_model(args, ep_group=mesh)
+    parallel.fully_shard_moe(model, mesh, blocks=list(model.blocks))
+    opt = make_optimizer(model, args)
+    if load_from is not None:
+        msd, osd = get_state_dict(model, opt)  # this grid's own keys (its experts) to fill
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=load_from)
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    task = SequenceTask(args.experts, args.seq_len, args.seqs, args.seed)
+    losses = []
+    for step in steps:
+        x, y = (t.to(device) for t in task.sample(rank, step))
+        loss = rank_loss(model, x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        mean = loss.detach().reshape(1).clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / world_size)  # host sync: the printed curve
+    if save_to is not None:
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=save_to)
+    parallel.check_expert_replicas(model)  # the DP replicas of every expert are still bit-identical
+    return losses
+
+
+def _rank(rank: int, world_size: int, args: argparse.Namespace, ckpt: str) -> dict:
+    # FSDP2 warns that the root's output is a view (nn.Linear on [B, L, H]); nothing here writes into it.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     on_cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
-    return train(args, rank, world_size, device)
+    half = args.steps // 2
+    t0 = time.perf_counter()
+    first = train_phase(args, rank, world_size, args.ep, range(half), device, save_to=ckpt)
+    t1 = time.perf_counter()
+    second = train_phase(args, rank, world_size, args.resume_ep, range(half, args.steps), device, load_from=ckpt)
+    return {"losses": first + second, "seconds": (t1 - t0, time.perf_counter() - t1)}
+
+
+# -------------------------------------------------------------------------------------- report
+def report(args, world_size: int, ref: List[float], dist_run: dict, ckpt: str) -> bool:
+    got, half = dist_run["losses"], args.steps // 2
+    rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, ref)]
+    shown = sorted({0, half - 1, half, args.steps - 1} | set(range(0, args.steps, max(1, args.steps // 8))))
+    a_grid = f"EP {args.ep} x DP {world_size // args.ep}"
+    b_grid = f"EP {args.resume_ep} x DP {world_size // args.resume_ep}"
+    print(f"{'step':>5s}  {'one process':>12s}  {'EP x DP ranks':>13s}  {'rel. diff':>9s}  grid")
+    for s in shown:
+        print(f"{s + 1:>5d}  {ref[s]:>12.6f}  {got[s]:>13.6f}  {rel[s]:>9.1e}  {a_grid if s < half else b_grid}")
+    files = sorted(f for f in os.listdir(ckpt) if f.endswith(".distcp"))
+    print(f"checkpoint: dcp.save after step {half} at {a_grid} ({len(files)} files, one per rank), "
+          f"dcp.load + set_state_dict into a fresh model at {b_grid}")
+    print(f"time: {dist_run['seconds'][0]:.1f} s at {a_grid}, {dist_run['seconds'][1]:.1f} s at {b_grid} "
+          f"(incl. building, checkpoint I/O)")
+    worst = max(rel)
+    ok_curve = worst <= args.tolerance
+    fell = got[-1] < got[0]
+    print(f"curve vs one process: max relative difference {worst:.2e} over {args.steps} steps "
+          f"(tolerance {args.tolerance:.0e}): {'OK' if ok_curve else 'FAILED'}")
+    print(f"final: loss first {got[0]:.4f} -> last {got[-1]:.4f} "
+          f"({got[0] / got[-1]:.1f}x lower)" if fell else f"final: loss first {got[0]:.4f} -> last {got[-1]:.4f}: "
+          f"FAILED, the loss did not fall")
+    return ok_curve and fell
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--world-size", type=int, default=4, help="ranks to spawn (ignored under torchrun)")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--ep", type=int, default=2, help="EP size of the first half (DP = world / EP)")
+    p.add_argument("--resume-ep", type=int, default=4, help="EP size after the checkpoint")
+    p.add_argument("--steps", type=int, default=40)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--ffn", type=int, default=None, help="expert FFN size (default 2 * hidden)")
-    p.add_argument("--experts", type=int, default=8, help="global experts; divisible by the world size")
+    p.add_argument("--hidden", type=int, default=32)
+    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--experts", type=int, default=8, help="global experts; divisible by both EP sizes")
     p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--clusters", type=int, default=None, help="task clusters (default: --experts)")
-    p.add_argument("--batch", type=int, default=256, help="tokens per step on rank 0 (fewer on later ranks)")
+    p.add_argument("--seq-len", type=int, default=16)
+    p.add_argument("--seqs", type=int, default=4, help="sequences per rank and step")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=None, help="default: steps / 12")
+    p.add_argument("--tolerance", type=float, default=1e-4, help="max relative difference of the curves")
+    p.add_argument("--checkpoint", type=str, default=None, help="DCP directory (default: a temporary one)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a collective may wait")
-    p.add_argument("--save", type=str, default=None, help="save moe_comm.modules.checkpoint.full_state_dict here")
     args = p.parse_args(argv)
-    W = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else args.world_size
-    if W < 1:
-        p.error(f"--world-size must be >= 1, got {W}")
-    if args.experts % W:
-        p.error(f"--experts must be divisible by the world size ({W}), got {args.experts}")
+    W = int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else args.world_size
+    for name in ("ep", "resume_ep"):
+        v = getattr(args, name)
+        if v < 1 or W % v or args.experts % v:
+            p.error(f"--{name.replace('_', '-')} must divide the world size ({W}) and --experts "
+                    f"({args.experts}), got {v}")
     if not 1 <= args.top_k <= args.experts:
         p.error(f"--top-k must be in [1, --experts={args.experts}], got {args.top_k}")
-    for name in ("steps", "layers", "hidden", "batch"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.hidden % args.heads:
+        p.error(f"--hidden must be divisible by --heads, got {args.hidden} and {args.heads}")
+    for name, low in (("steps", 2), ("layers", 1), ("seq_len", 1), ("seqs", 1)):
+        if getattr(args, name) < low:
+            p.error(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    args.world = W
     return args
 
 
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world))
+    ckpt = args.checkpoint or tempfile.mkdtemp(prefix="moe_comm_dcp_")
+    try:
+        print(f"moe_comm {moe_comm.__version__}: {args.world} ranks, {args.layers} blocks (attention + MoE), "
+              f"H={args.hidden}, E={args.experts}, K={args.top_k}, {args.seqs}x{args.seq_len} tokens per rank "
+              f"and step; FSDP2 via moe_comm.parallel.fully_shard_moe", flush=True)
+        dist_run = run_ranks(_rank, args.world_size, args, ckpt, timeout=args.timeout)
+        if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
+            return 0  # torchrun: rank 0 reports
+        if dist_run is None:
+            print("FAILED: rank 0 returned no result")
+            return 1
+        ref = train_one_process(args, args.world)
+        return 0 if report(args, args.world, ref, dist_run, ckpt) else 1
+    finally:
+        if args.checkpoint is None:
+            shutil.rmtree(ckpt, ignore_errors=True)
+
+
 if __name__ == "__main__":
-    _args = parse_args()
-    # Spawns --world-size gloo ranks, or joins the group torchrun launched; rank 0's result decides.
-    _result = run_ranks(_rank, _args.world_size, _args, timeout=_args.timeout)
-    sys.exit(0 if _result is None or _result["ok"] else 1)
+    sys.exit(main())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -130,15 +131,57 @@ def wait_work(work, phase: str, chunk: int = -1, *, timeout: Optional[float] = N
                               f"peer rank may have died or stalled.{stuck} {REBUILD}. Cause: {e}") from e
 
 
-def resolve_group(ep_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
-    """None -> the WORLD group when torch.distributed is initialised, else None (W = 1)."""
-    if ep_group is not None:
-        if not dist.is_available() or not dist.is_initialized():
-            raise ValueError("ep_group was given but torch.distributed is not initialised")
+def _launched_processes() -> int:
+    """WORLD_SIZE a launcher (torchrun, SLURM scripts, mpirun wrappers) set for this process, else 1."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return 1
+    try:
+        return int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        return 1
+
+
+def resolve_group(ep_group, *, dim: str = "ep", name: str = "ep_group",
+                  allow_single_process: bool = True) -> Optional[dist.ProcessGroup]:
+    """The process group to run on, from what a user passed.
+
+    Args:
+        ep_group: a ProcessGroup; a 1-D ``DeviceMesh`` (its group); a 2-D DeviceMesh with named dims (the
+            group of its dim ``dim``, e.g. ``init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp", "ep"))``);
+            or None: the WORLD group when torch.distributed is initialised, else None (one process, W = 1).
+        dim: the mesh dim to take from a 2-D mesh ("ep", or "dp" for the data-parallel group).
+        name: the argument's name, for error messages.
+        allow_single_process: with None and no initialised process group, whether a process that a
+            launcher started as one of several (RANK and WORLD_SIZE > 1 in the environment, as torchrun
+            sets them) may run alone. False raises ValueError: such a process would silently train its
+            own copy of the model.
+    Returns the ProcessGroup, or None for one process. Raises ValueError naming ``name``.
+    """
+    if ep_group is None:
+        if dist.is_available() and dist.is_initialized():
+            return dist.group.WORLD
+        launched = _launched_processes()
+        if launched > 1 and not allow_single_process:
+            raise ValueError(f"{name} is None and torch.distributed is not initialised, but this process was "
+                             f"launched as rank {os.environ['RANK']} of WORLD_SIZE={launched} (RANK/WORLD_SIZE "
+                             f"are set, as torchrun does): call torch.distributed.init_process_group(...) before "
+                             f"building the layer, or pass allow_single_process=True to run this process alone")
+        return None
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(f"{name} was given but torch.distributed is not initialised")
+    if isinstance(ep_group, dist.ProcessGroup):
         return ep_group
-    if dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
-    return None
+    from torch.distributed.device_mesh import DeviceMesh  # torch.distributed is initialised: importable
+    if isinstance(ep_group, DeviceMesh):
+        if ep_group.ndim == 1:
+            return ep_group.get_group()
+        names = tuple(ep_group.mesh_dim_names or ())
+        if dim not in names:
+            raise ValueError(f"{name}: a {ep_group.ndim}-D DeviceMesh must name its dims, one of them {dim!r} "
+                             f"(e.g. mesh_dim_names=('dp', 'ep')), got mesh_dim_names={ep_group.mesh_dim_names}")
+        return ep_group[dim].get_group()
+    raise TypeError(f"{name} must be a torch.distributed ProcessGroup, a DeviceMesh or None, "
+                    f"got {type(ep_group).__name__}")
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:

@@ -127,18 +127,45 @@ class _PipelinedExperts(torch.autograd.Function):
             return _backward(run, grad_y_NH.contiguous()), None, None
 
 
-def _forward(run: _Run, x_NH: torch.Tensor) -> torch.Tensor:
+def _schedule(run: _Run, src_NH: torch.Tensor, out_NH: torch.Tensor, compute, phases: Tuple[str, str],
+              direction: str, end: Phase, before=None) -> torch.Tensor:
+    """The one chunk schedule, forward and backward: rows of chunk c go to the experts' ranks (phases[0]),
+    ``compute(c, rows_RH)`` runs there, its result goes back into ``out_NH`` (phases[1]); chunk c+1 travels
+    while chunk c computes. ``before()`` runs while chunk 0 travels. A failure on this rank keeps the schedule
+    with placeholder rows and is raised on every rank by the end-of-phase exchange ``end``."""
     d, handle = run.dispatcher, run.handle
-    tl, transport, chunks = d.timeline, handle.transport, handle.chunks
-    y_NH = torch.empty_like(x_NH) if run.keep_output or d.world_size == 1 else \
-        d.workspace.rows("combined", x_NH.shape[0], x_NH.shape[1], x_NH)
+    transport, chunks = handle.transport, handle.chunks
     failure = _Failure()
     to_experts, back = [None] * len(chunks), []
 
     def issue(c: int) -> None:
         p = chunks[c]
-        to_experts[c] = transport.to_experts(x_NH.narrow(0, p.row_offset, p.num_rows), p, phase="dispatch",
-                                             direction="fwd")
+        to_experts[c] = transport.to_experts(src_NH.narrow(0, p.row_offset, p.num_rows), p, phase=phases[0],
+                                             direction=direction)
+
+    issue(0)
+    if before is not None:
+        failure.catch(0, before)
+    for c, p in enumerate(chunks):
+        if c + 1 < len(chunks):
+            issue(c + 1)
+        rows_RH = _wait(to_experts[c], failure, c, p.num_recv, src_NH)
+        to_experts[c] = None
+        back_RH = failure.catch(c, compute, c, rows_RH)
+        if back_RH is None:  # this rank failed: placeholder rows of the agreed size keep the schedule
+            back_RH = rows_RH
+        back.append(transport.to_tokens(back_RH, p, out_NH.narrow(0, p.row_offset, p.num_rows), phase=phases[1],
+                                        direction=direction))
+    for c, b in enumerate(back):
+        _wait(b, failure, c, chunks[c].num_rows, src_NH)
+    failure.close(d, end, handle)
+    return out_NH
+
+
+def _forward(run: _Run, x_NH: torch.Tensor) -> torch.Tensor:
+    d, chunks, tl = run.dispatcher, run.handle.chunks, run.dispatcher.timeline
+    y_NH = torch.empty_like(x_NH) if run.keep_output or d.world_size == 1 else \
+        d.workspace.rows("combined", x_NH.shape[0], x_NH.shape[1], x_NH)
 
     def experts(c: int, tokens_RH: torch.Tensor) -> torch.Tensor:
         p = chunks[c]
@@ -153,67 +180,32 @@ def _forward(run: _Run, x_NH: torch.Tensor) -> torch.Tensor:
                 run.expert_io[c] = (t_in, out_RH)
             return out_RH.detach().to(x_NH.dtype)  # rows travel in x's dtype (autocast may change out_RH's)
 
-    def side():
+    def side() -> None:  # e.g. shared experts, while the first dispatch is in flight
         with torch.set_grad_enabled(run.grad_enabled), tl.compute("shared"):
-            return run.side_fn()
+            run.side_out = run.side_fn()
 
     run.expert_io = [None] * len(chunks)
-    issue(0)
-    if run.side_fn is not None:  # e.g. shared experts, while the first dispatch is in flight
-        run.side_out = failure.catch(0, side)
-    for c, p in enumerate(chunks):
-        if c + 1 < len(chunks):
-            issue(c + 1)
-        tokens_RH = _wait(to_experts[c], failure, c, p.num_recv, x_NH)
-        to_experts[c] = None
-        back_RH = failure.catch(c, experts, c, tokens_RH)
-        if back_RH is None:  # this rank failed: placeholder rows of the agreed size keep the schedule
-            back_RH = tokens_RH
-        back.append(transport.to_tokens(back_RH, p, y_NH.narrow(0, p.row_offset, p.num_rows), phase="combine",
-                                        direction="fwd"))
-    for c, b in enumerate(back):
-        _wait(b, failure, c, chunks[c].num_rows, x_NH)
-    failure.close(d, Phase.FORWARD_END, handle)
-    return y_NH
+    return _schedule(run, x_NH, y_NH, experts, ("dispatch", "combine"), "fwd", Phase.FORWARD_END,
+                     before=side if run.side_fn is not None else None)
 
 
 def _backward(run: _Run, grad_y_NH: torch.Tensor) -> torch.Tensor:
-    d, handle = run.dispatcher, run.handle
-    tl, transport, chunks = d.timeline, handle.transport, handle.chunks
-    grad_x_NH = torch.empty_like(grad_y_NH)
-    failure = _Failure()
-    to_experts, back = [None] * len(chunks), []
-
-    def issue(c: int) -> None:
-        # The gradient of combine goes the dispatch way: to the ranks that hold the experts.
-        p = chunks[c]
-        to_experts[c] = transport.to_experts(grad_y_NH.narrow(0, p.row_offset, p.num_rows), p, phase="combine",
-                                             direction="bwd")
+    # The gradient of combine goes the dispatch way (to the experts' ranks), the input gradient comes back.
+    tl = run.dispatcher.timeline
 
     def experts_backward(c: int, g_RH: torch.Tensor) -> torch.Tensor:
         with tl.compute("experts", chunk=c, direction="bwd"):
             t_in, out_RH = run.expert_io[c]
+            run.expert_io[c] = None  # free the chunk's activations once its backward ran
             if out_RH.requires_grad:
                 torch.autograd.backward([out_RH], [g_RH.to(out_RH.dtype)])
             g_in = t_in.grad if t_in.grad is not None else torch.zeros_like(t_in)
             return g_in.to(grad_y_NH.dtype)
 
-    issue(0)
-    for c, p in enumerate(chunks):
-        if c + 1 < len(chunks):
-            issue(c + 1)
-        g_RH = _wait(to_experts[c], failure, c, p.num_recv, grad_y_NH)
-        to_experts[c] = None
-        g_in = failure.catch(c, experts_backward, c, g_RH)
-        run.expert_io[c] = None  # free the chunk's activations
-        if g_in is None:
-            g_in = g_RH
-        back.append(transport.to_tokens(g_in, p, grad_x_NH.narrow(0, p.row_offset, p.num_rows), phase="dispatch",
-                                        direction="bwd"))
-    for c, b in enumerate(back):
-        _wait(b, failure, c, chunks[c].num_rows, grad_y_NH)
-    failure.close(d, Phase.BACKWARD_END, handle)
-    return grad_x_NH
+    grad_x_NH = torch.empty_like(grad_y_NH)
+    out = _schedule(run, grad_y_NH, grad_x_NH, experts_backward, ("combine", "dispatch"), "bwd", Phase.BACKWARD_END)
+    run.expert_io = []
+    return out
 
 
 def run_pipeline(dispatcher, handle, x_NH: torch.Tensor, expert_fn: Callable,

@@ -10,6 +10,7 @@ device ops and one async all_reduce, no host sync].
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import sys
@@ -22,12 +23,14 @@ import torch.distributed as dist
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
-from moe_comm._checks import check_float
+from moe_comm._checks import check_bool, check_float, check_tensor
 from moe_comm.comm.agree import agree
 from moe_comm.comm.collectives import group_rank, group_size, resolve_group
 from moe_comm.config import MoEConfig
 from moe_comm.dispatch.dispatcher import Dispatcher
-from moe_comm.modules.experts import GroupedExperts, PlacedExperts, SwiGLU
+from moe_comm.modules.checkpoint import ExpertKeyPath, dcp_fqn_modifiers
+from moe_comm.modules.experts import GroupedExperts, PlacedExperts, SwiGLU, _init_expert_
+from moe_comm.modules.wrappers import data_parallel_error
 from moe_comm.monitor.load import GlobalCounts, LoadMonitor, reduce_counts
 from moe_comm.placement.apply import physical_topk, relayout_slots, replica_tables, sync_replica_grads
 from moe_comm.placement.planner import Placement, plan_placement
@@ -96,6 +99,46 @@ def _finish_bias_update_hook(module: "MoELayer", *args, **kwargs) -> None:
     module.finish_bias_update()
 
 
+def _check_data_parallel_hook(module: "MoELayer", args) -> None:
+    # A DDP / FSDP2 wrapper that mixes different EP ranks' experts: every rank raises (through the
+    # Dispatcher's exchange, which every rank reaches) instead of training on overwritten experts.
+    error = data_parallel_error(module)
+    if error is not None:
+        module.dispatcher.fail(error, device=module.experts.w1.device)
+
+
+def _is_2d_mesh(group) -> bool:
+    return getattr(group, "ndim", 1) == 2 and hasattr(group, "mesh_dim_names")
+
+
+def _resolve_dp_group(ep_group, dp_group) -> Optional[dist.ProcessGroup]:
+    """The data-parallel group: the "dp" dim of a 2-D ep_group mesh, or dp_group (None: no DP)."""
+    if _is_2d_mesh(ep_group):
+        if dp_group is not None:
+            raise ValueError("MoELayer: ep_group is a 2-D DeviceMesh, whose 'dp' dim is the data-parallel group; "
+                             f"dp_group must then be None, got {type(dp_group).__name__}")
+        return resolve_group(ep_group, dim="dp", name="MoELayer: ep_group")
+    if dp_group is None:
+        return None
+    return resolve_group(dp_group, dim="dp", name="MoELayer: dp_group")
+
+
+def _agree_ep_dp(ep_group, dp_group, settings: dict, local_error) -> None:
+    """Every rank of EP x DP agrees on the settings or every rank raises: ``agree`` over the EP group, then
+    (with data parallelism) over the DP group carrying the first one's outcome, so a failure in one EP group
+    reaches every EP group through the DP groups."""
+    if group_size(dp_group) == 1:
+        agree(ep_group, settings, what="MoELayer", local_error=local_error)
+        return
+    outcome = None
+    try:
+        agree(ep_group, settings, what="MoELayer", local_error=local_error)
+    except (TypeError, ValueError, RuntimeError) as err:
+        outcome = err
+    agree(dp_group, {**settings, "ep_size": group_size(ep_group)}, what="MoELayer (data-parallel replicas)",
+          local_error=outcome)
+
+
 class MoELayer(nn.Module):
     """A Mixture-of-Experts feed-forward layer with expert parallelism.
 
@@ -105,13 +148,25 @@ class MoELayer(nn.Module):
 
     Args:
         cfg: MoEConfig.
-        ep_group: EP process group (any backend). None: WORLD if torch.distributed is initialised,
-            else a single process (W = 1).
+        ep_group: EP process group (any backend), or a 1-D ``DeviceMesh``, or a 2-D DeviceMesh with dims
+            named "dp" and "ep" (``init_device_mesh(dev, (DP, EP), mesh_dim_names=("dp", "ep"))``: the EP
+            group is its "ep" dim, the data-parallel group its "dp" dim). None: WORLD if torch.distributed
+            is initialised, else a single process (W = 1).
+        dp_group: the data-parallel group of this EP rank: the ranks holding the same experts (a replica of
+            this layer each, with their own tokens); a ProcessGroup or 1-D DeviceMesh; None: no data
+            parallelism (DP = 1). With it, the load statistics (monitor, aux-loss-free bias) count the
+            GLOBAL batch over EP x DP, the replicas start equal (broadcast from DP rank 0), and
+            ``moe_comm.parallel`` reduces the expert gradients over it.
+        allow_single_process: with ``ep_group=None`` and no process group initialised in a process that a
+            launcher started as one of several (RANK and WORLD_SIZE > 1 set, as torchrun does), run alone
+            instead of raising ValueError (default False: forgetting ``init_process_group`` would train W
+            unrelated models).
         backend: permutation kernels, "auto" | "triton" | "native" | "torch".
         seed: initialisation seed; None draws one from torch's default CPU generator (so
             ``torch.manual_seed`` makes it reproducible and consecutive layers differ). Expert g is
             initialised from ``seed + g``: the same experts whatever the EP size.
-        device, dtype: of the parameters (x must have the experts' dtype).
+        device, dtype: of the parameters (x must have the experts' dtype); the router weight has
+            ``cfg.router_dtype`` when that is set.
         monitor: the layer's LoadMonitor (``layer.monitor``): True (default) builds
             ``LoadMonitor(E, num_ranks=W)``; a dict gives its options (window, hot_threshold, ...); a
             LoadMonitor instance is used as is; False/None disables it (``layer.monitor`` is None). Every
@@ -153,12 +208,15 @@ class MoELayer(nn.Module):
     after every backward pass of a step and before ``optimizer.step()``. See ``apply_placement``.
     """
 
-    def __init__(self, cfg: MoEConfig, ep_group: Optional[dist.ProcessGroup] = None, *, backend: str = "auto",
-                 seed: Optional[int] = None, device=None, dtype=None,
+    def __init__(self, cfg: MoEConfig, ep_group=None, *, dp_group=None, allow_single_process: bool = False,
+                 backend: str = "auto", seed: Optional[int] = None, device=None, dtype=None,
                  monitor: Union[bool, dict, LoadMonitor, None] = True, bias_update_rate: float = 0.0,
                  strict: bool = False, timeout: Optional[float] = None):
         super().__init__()
-        self.ep_group = resolve_group(ep_group)  # no group, no collective: raises here alone
+        # No group, no collective: these raise here alone (the same way on every rank).
+        check_bool("MoELayer: allow_single_process", allow_single_process)
+        self.ep_group = resolve_group(ep_group, name="MoELayer: ep_group", allow_single_process=allow_single_process)
+        self.dp_group = _resolve_dp_group(ep_group, dp_group)
         W, rank = group_size(self.ep_group), group_rank(self.ep_group)
         local_error, settings = None, {}
         try:  # everything local first; a rank that fails still joins the agreement: every rank raises
@@ -170,15 +228,16 @@ class MoELayer(nn.Module):
                                  f"size, got world size {W}")
             self._build(cfg, W, rank, seed, device, dtype, monitor, bias_update_rate)
             settings = dict(dataclasses.asdict(cfg), dtype=str(self.experts.w1.dtype), monitor=self.monitor is not None,
-                            bias_update_rate=self.bias_update_rate)
+                            bias_update_rate=self.bias_update_rate, dp_size=group_size(self.dp_group))
         except (TypeError, ValueError, RuntimeError) as err:
             local_error = err
-        agree(self.ep_group, settings, what="MoELayer", local_error=local_error)
+        _agree_ep_dp(self.ep_group, self.dp_group, settings, local_error)
         # After the agreement, so that every rank gets here: the Dispatcher's own agreement is collective.
         self.dispatcher = Dispatcher(cfg.num_experts, self.ep_group, cfg.num_chunks, backend=backend,
                                      strict=strict, timeout=timeout)
-        if W > 1:
+        if not self.experts.w1.is_meta:  # meta: reset_parameters() after to_empty() makes them equal
             self._broadcast_replicated()
+        self.register_forward_pre_hook(_check_data_parallel_hook)
 
     def _build(self, cfg: MoEConfig, W: int, rank: int, seed, device, dtype, monitor, bias_update_rate) -> None:
         """The local part of construction (no collective): modules, monitor, placement and bias state."""
@@ -186,18 +245,21 @@ class MoELayer(nn.Module):
         e = cfg.num_experts // W
         self.bias_update_rate = float(bias_update_rate)
         self.monitor: Optional[LoadMonitor] = _make_monitor(monitor, cfg.num_experts, W)
-        if seed is None:
-            seed = int(torch.randint(0, 2 ** 62, ()).item())  # host sync: none, a CPU generator draw
+        if seed is None:  # a CPU draw (also under ``with torch.device("meta")``): no host sync
+            seed = int(torch.randint(0, 2 ** 62, (), device="cpu").item())
+        self._seed = seed
+        self._expert_keys = ExpertKeyPath()  # torch.distributed.checkpoint resolves experts.w1.<g> through it
         self.router = Router(cfg, device=device, dtype=dtype)
-        with torch.no_grad():
-            g = torch.Generator().manual_seed(seed)
-            self.router.weight.copy_(torch.randn(self.router.weight.shape, generator=g) * cfg.hidden_size ** -0.5)
         self.experts = GroupedExperts(e, cfg.hidden_size, cfg.ffn_hidden_size, first_expert=rank * e,
                                       num_experts=cfg.num_experts, seed=seed + 1, device=device, dtype=dtype)
         self.shared_experts = None
         if cfg.num_shared_experts:
             self.shared_experts = SwiGLU(cfg.hidden_size, cfg.shared_ffn_size, seed=seed - 1,
                                          device=device, dtype=dtype)
+        self.shared_expert_gate = None  # Qwen2-MoE: shared output * sigmoid(x @ shared_expert_gate.weight.T)
+        if cfg.shared_expert_gate:
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False, device=device, dtype=dtype)
+        self._init_replicated()
         self.aux_loss: Optional[torch.Tensor] = None
         # Placement state (apply_placement): host phys_to_logical, and device tables for the forward.
         self._placement: Optional[Placement] = None
@@ -213,11 +275,68 @@ class MoELayer(nn.Module):
         self.register_load_state_dict_pre_hook(_finish_bias_update_hook)
 
     @torch.no_grad()
+    def _init_replicated(self) -> None:
+        """The router weight (and the shared-expert gate) from the layer's seed (CPU draws, so that meta
+        construction works too)."""
+        H = self.cfg.hidden_size
+        g = torch.Generator().manual_seed(self._seed)
+        self.router.weight.copy_(torch.randn(self.router.weight.shape, generator=g, device="cpu") * H ** -0.5)
+        if self.shared_expert_gate is not None:
+            g = torch.Generator().manual_seed(self._seed - 2)
+            w = torch.randn(self.shared_expert_gate.weight.shape, generator=g, device="cpu") * H ** -0.5
+            self.shared_expert_gate.weight.copy_(w)
+
+    @torch.no_grad()
     def _broadcast_replicated(self) -> None:
-        src = dist.get_global_rank(self.ep_group, 0)
-        params = [self.router.weight] + ([] if self.shared_experts is None else list(self.shared_experts.parameters()))
-        for p in params:
-            dist.broadcast(p.data, src=src, group=self.ep_group)
+        """Collective: make the replicas equal. The router weight (shared experts, gate) from EP rank 0 over
+        the EP group; then, with a data-parallel group, every parameter and buffer from DP rank 0 over it
+        (this EP rank's experts and their replicas; a rank's own seed may differ). Cost: the layer's local
+        parameters once over the DP group."""
+        if group_size(self.ep_group) > 1:
+            src = dist.get_global_rank(self.ep_group, 0)
+            params = [self.router.weight] + ([] if self.shared_experts is None else list(self.shared_experts.parameters()))
+            params += [] if self.shared_expert_gate is None else [self.shared_expert_gate.weight]
+            for p in params:
+                dist.broadcast(p.data, src=src, group=self.ep_group)
+        if group_size(self.dp_group) > 1:
+            src = dist.get_global_rank(self.dp_group, 0)
+            for t in list(self.parameters()) + list(self.buffers()):
+                dist.broadcast(t.data, src=src, group=self.dp_group)
+
+    def reset_parameters(self) -> None:
+        """Collective (EP x DP): re-initialise every weight from the layer's seed as at construction (expert g
+        from ``seed + 1 + g``), zero the aux-loss-free bias, and make the replicas equal.
+
+        For meta-device construction: ``with torch.device("meta"): layer = MoELayer(cfg, ...)`` (no memory,
+        no broadcast), then on every rank ``layer.to_empty(device=...)`` and ``layer.reset_parameters()``.
+        Call this method of the layer, not each submodule's own (``GroupedExperts.reset_parameters()``
+        without the layer's seed would initialise other experts)."""
+        with torch.no_grad():
+            self._init_replicated()
+            self.experts.reset_parameters(self._seed + 1)
+            if self.shared_experts is not None:
+                se = self.shared_experts
+                _init_expert_(se.w1, se.w3, se.w2, torch.Generator().manual_seed(self._seed - 1))
+            self.router.expert_bias.zero_()
+        self._pending_load = None
+        self._broadcast_replicated()
+
+    def _fqn_modifiers(self) -> Dict[str, str]:
+        """For torch.distributed.checkpoint.state_dict: the expert keys ``experts.w1.<g>`` resolve through
+        ``self._expert_keys`` (``moe_comm.modules.checkpoint.ExpertKeyPath``)."""
+        return dcp_fqn_modifiers("_expert_keys")
+
+    def __deepcopy__(self, memo) -> "MoELayer":
+        """``copy.deepcopy`` of the layer (or of a model holding it): parameters, buffers and state are copied;
+        the process groups are shared by reference (they cannot be copied, and the copy runs on the same
+        ranks). Building or copying layers is not collective, but the copy's forward is: copy on every rank."""
+        for group in (self.ep_group, self.dp_group, getattr(self.dispatcher, "group", None)):
+            if group is not None:
+                memo[id(group)] = group
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__dict__, memo))
+        return new
 
     @property
     def timeline(self):
@@ -271,18 +390,23 @@ class MoELayer(nn.Module):
 
     @torch.no_grad()
     def _record_load(self, routing) -> None:
-        """Tokens per logical expert of this forward -> the monitor and/or the pending bias update.
-        Device ops and at most one async all_reduce; no host sync."""
+        """Tokens per logical expert of this forward, summed over EP x DP (the global batch) -> the monitor
+        and/or the pending bias update. Device ops, one async all_reduce over the EP group and, with a
+        dp_group, one more over it (chained on the first: NCCL orders it on the stream, gloo waits for the
+        small first one); no host sync."""
         update_bias = self.training and self.bias_update_rate > 0
         if self.monitor is None and not update_bias:
             return
-        counts_E, dropped = count_tokens(routing.topk_idx_TK, self.cfg.num_experts)
+        counts_E, dropped = count_tokens(routing.topk_idx_TK, self.cfg.num_experts, routing.token_mask_T)
         group = self.ep_group if self.world_size > 1 else None
+        dp_group = self.dp_group if group_size(self.dp_group) > 1 else None
         timeout = self.dispatcher.timeout
         if self.monitor is not None:
-            handle = self.monitor.observe(counts_E, dropped, routing.scores_TE, group=group, timeout=timeout)
+            handle = self.monitor.observe(counts_E, dropped, routing.scores_TE, group=group, dp_group=dp_group,
+                                          timeout=timeout)
         else:
-            handle = reduce_counts(counts_E, group, timeout=timeout, phase="bias update (global expert load)")
+            handle = reduce_counts(counts_E, group, dp_group=dp_group, timeout=timeout,
+                                   phase="bias update (global expert load)")
         if update_bias:
             self._pending_load = handle
 
@@ -380,7 +504,23 @@ class MoELayer(nn.Module):
                                 "outside inference mode (x.clone() there)")
         return None
 
-    def _route(self, x: torch.Tensor, recompute: bool):
+    @staticmethod
+    def _check_token_mask(x: torch.Tensor, token_mask) -> Optional[Exception]:
+        try:
+            check_tensor("token_mask", token_mask, shape=tuple(x.shape[:-1]), shape_from="x's leading dimensions",
+                         dtypes=(torch.bool,), device=x.device)
+        except (TypeError, ValueError) as err:
+            return err
+        return None
+
+    def _shared(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """Shared experts on every token, scaled by sigmoid(x @ shared_expert_gate.weight.T) when gated."""
+        out_TH = self.shared_experts(x_TH)
+        if self.shared_expert_gate is not None:
+            out_TH = torch.sigmoid(self.shared_expert_gate(x_TH)) * out_TH
+        return out_TH
+
+    def _route(self, x: torch.Tensor, recompute: bool, token_mask: Optional[torch.Tensor] = None):
         """Router (+ logical -> physical slots). Returns (routing, route_TK, x_TH).
 
         recompute: activation checkpointing's recompute inside backward: route with the bias of the
@@ -405,7 +545,7 @@ class MoELayer(nn.Module):
                 self.router.expert_bias = bias
             with torch.enable_grad() if mode == "reentrant" and has_aux else _nullcontext():
                 x_TH = x.reshape(-1, self.cfg.hidden_size).contiguous()  # one layout for every view: the same bits
-                routing = self.router(x_TH)
+                routing = self.router(x_TH, None if token_mask is None else token_mask.reshape(-1))
         finally:
             self.router.expert_bias = own_bias
         route_TK = routing.topk_idx_TK
@@ -414,12 +554,22 @@ class MoELayer(nn.Module):
                                      self._max_replicas, group_rank(self.ep_group))
         return routing, route_TK, x_TH
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., H] -> [..., H], same dtype. Sets ``self.aux_loss``; feeds ``self.monitor``.
+    def forward(self, x: torch.Tensor, token_mask: Optional[torch.Tensor] = None, *, return_routing: bool = False):
+        """x: [..., H] -> y [..., H], same dtype. Sets ``self.aux_loss``; feeds ``self.monitor``.
+
+        token_mask: optional bool tensor of x's leading shape [...]; False marks a token that is not routed
+            (padding): no expert receives it, its routed output is 0 (shared experts still apply), and
+            neither the monitor nor the aux / z loss counts it.
+        return_routing: return ``(y, routing)``, routing the ``RouterOutput`` of this call (its
+            ``logits_TE`` are the router logits a Hugging Face model returns).
+        Under ``torch.autocast`` the router keeps its dtype (float32 logits, scores and weights by
+        default) and the experts compute in the autocast dtype; y has x's dtype.
 
         Collective. Any error before rows move (bad x, the router raising on one rank) goes through the
         Dispatcher's exchange: every rank raises, naming the rank, and the group stays usable."""
         error = self._check_input(x)
+        if error is None and token_mask is not None:
+            error = self._check_token_mask(x, token_mask)
         if error is not None:  # every rank raises with it (through the counts exchange): no hang
             self.dispatcher.fail(error, device=self.experts.w1.device)
         recompute = _in_backward()  # activation checkpointing: this forward already ran once
@@ -427,7 +577,7 @@ class MoELayer(nn.Module):
             self.finish_bias_update()
         try:
             with self.timeline.compute("router"):
-                routing, route_TK, x_TH = self._route(x, recompute)
+                routing, route_TK, x_TH = self._route(x, recompute, token_mask)
         except Exception as err:  # noqa: BLE001 -- any router failure: every rank raises, naming this one
             self.dispatcher.fail(err, device=self.experts.w1.device)
         if not recompute:
@@ -436,10 +586,11 @@ class MoELayer(nn.Module):
             y_TH = self.dispatcher(x_TH, route_TK, routing.topk_weight_TK, self.experts)
         else:  # shared experts compute while the first dispatch is in flight
             y_TH, shared_TH = self.dispatcher(x_TH, route_TK, routing.topk_weight_TK, self.experts,
-                                              side_fn=lambda: self.shared_experts(x_TH))
+                                              side_fn=lambda: self._shared(x_TH))
             y_TH = y_TH + shared_TH
         # After the dispatch: its counts exchange already made every rank raise on a bad input, so the
         # monitor's collective is issued by all ranks or by none. A recompute counts nothing twice.
         if not recompute:
             self._record_load(routing)
-        return y_TH.reshape(x.shape)
+        y = y_TH.reshape(x.shape)
+        return (y, routing) if return_routing else y

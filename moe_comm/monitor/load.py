@@ -80,17 +80,39 @@ class GlobalCounts:
         return self._counts_E
 
 
+def _size(group: Optional[dist.ProcessGroup]) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _all_reduce_over(buf_X: torch.Tensor, group: Optional[dist.ProcessGroup], dp_group: Optional[dist.ProcessGroup],
+                     *, timeout: Optional[float], phase: str, rank: int):
+    """Start summing ``buf_X`` in place over EP x DP: one async all_reduce over ``group`` (EP), then, with
+    a ``dp_group`` of more than one rank, one more over it (the replicas of this EP rank). The second
+    needs the first's result: its Work is waited first (NCCL: the stream waits, no host block; gloo: the
+    CPU waits for the small first reduction). Returns the Work to wait for last (None: nothing issued)."""
+    work = None
+    if _size(group) > 1:
+        work = dist.all_reduce(buf_X, group=group, async_op=True)
+    if _size(dp_group) > 1:
+        wait_work(work, phase, timeout=timeout, rank=rank, what="all_reduce (EP)", group=group)
+        work = dist.all_reduce(buf_X, group=dp_group, async_op=True)
+    return work
+
+
 def reduce_counts(counts_E: torch.Tensor, group: Optional[dist.ProcessGroup] = None, *,
-                  timeout: Optional[float] = None, phase: str = "expert load") -> GlobalCounts:
-    """Start summing [E] integer counts over ``group`` (one async all_reduce; collective when the group
-    has more than one rank); no host sync. None or a 1-rank group: the counts themselves.
-    ``timeout`` / ``phase``: for ``GlobalCounts.wait`` (seconds; the name a CollectiveError gives)."""
+                  dp_group: Optional[dist.ProcessGroup] = None, timeout: Optional[float] = None,
+                  phase: str = "expert load") -> GlobalCounts:
+    """Start summing [E] integer counts over ``group`` (EP) and ``dp_group`` (the data-parallel replicas:
+    the global batch), one async all_reduce per group of more than one rank; no host sync. None or 1-rank
+    groups: the counts themselves. ``timeout`` / ``phase``: for ``GlobalCounts.wait`` (seconds; the name a
+    CollectiveError gives)."""
     buf_E = counts_E.detach().to(torch.float64)
-    if group is None or dist.get_world_size(group) == 1:
+    if _size(group) == 1 and _size(dp_group) == 1:
         return GlobalCounts(buf_E)
     buf_E = buf_E.clone() if buf_E is counts_E else buf_E
-    return GlobalCounts(buf_E, dist.all_reduce(buf_E, group=group, async_op=True), phase=phase, timeout=timeout,
-                        rank=dist.get_rank(group))
+    rank = dist.get_rank(group) if _size(group) > 1 else 0
+    work = _all_reduce_over(buf_E, group, dp_group, timeout=timeout, phase=phase, rank=rank)
+    return GlobalCounts(buf_E, work, phase=phase, timeout=timeout, rank=rank)
 
 
 # The device state (``_alloc``) is allocated whole at the first observe. Bound it so that a huge window
@@ -240,7 +262,8 @@ class LoadMonitor:
     @torch.no_grad()
     def observe(self, tokens_per_expert_E: torch.Tensor, dropped: Union[torch.Tensor, int] = 0,
                 scores_TE: Optional[torch.Tensor] = None, *,
-                group: Optional[dist.ProcessGroup] = None, timeout: Optional[float] = None) -> GlobalCounts:
+                group: Optional[dist.ProcessGroup] = None, dp_group: Optional[dist.ProcessGroup] = None,
+                timeout: Optional[float] = None) -> GlobalCounts:
         """Record one step. No host sync (unless ``sync_every`` asks for one).
 
         Args:
@@ -253,6 +276,10 @@ class LoadMonitor:
                 are summed over it with ONE asynchronous all_reduce: a collective, so every rank of
                 the group must call observe with a group, in the same order. num_ranks must equal the
                 group size.
+            dp_group: the data-parallel group of this EP rank (the ranks holding the same experts, each
+                with its own tokens). Given (size > 1), the sums are then also summed over it (one more
+                small all_reduce, after the EP one): the monitor sees the GLOBAL batch, identical on
+                every rank of EP x DP. Collective over it too.
             timeout: seconds to wait for that all_reduce (at the next observe, a read, or the returned
                 handle's ``wait``) before raising ``moe_comm.comm.CollectiveError`` naming the "load
                 monitor" phase; None: the process group's timeout.
@@ -291,20 +318,20 @@ class LoadMonitor:
         else:
             probsum_E, ntok = torch.zeros(E, dtype=torch.float64, device=device), 0.0
 
-        W = 1 if group is None else dist.get_world_size(group)
-        if W > 1:
-            if W != self.num_ranks:
-                raise ValueError(f"group has {W} ranks but the monitor was built with num_ranks={self.num_ranks}")
-            self._flush()
-            # One buffer, one collective: counts [E], dropped, probability sums [E], token count.
+        W = _size(group)
+        if W > 1 and W != self.num_ranks:
+            raise ValueError(f"group has {W} ranks but the monitor was built with num_ranks={self.num_ranks}")
+        self._flush()
+        if W > 1 or _size(dp_group) > 1:
+            # One buffer, one collective per group: counts [E], dropped, probability sums [E], token count.
             # float64 is exact for counts below 2**53.
             buf_X = torch.cat([counts_E.to(torch.float64), dropped_t.to(torch.float64).reshape(1), probsum_E,
                                torch.full((1,), ntok, dtype=torch.float64, device=device)])
-            handle = GlobalCounts(buf_X[:E], dist.all_reduce(buf_X, group=group, async_op=True),
-                                  phase="load monitor", timeout=timeout, rank=dist.get_rank(group))
+            rank = dist.get_rank(group) if W > 1 else 0
+            work = _all_reduce_over(buf_X, group, dp_group, timeout=timeout, phase="load monitor", rank=rank)
+            handle = GlobalCounts(buf_X[:E], work, phase="load monitor", timeout=timeout, rank=rank)
             self._pending.append((handle, buf_X))
         else:
-            self._flush()
             self._fold(counts_E, dropped_t, probsum_E, torch.full((), ntok, dtype=torch.float64, device=device))
             handle = GlobalCounts(counts_E.to(torch.float64))
         if self.sync_every is not None and self.steps % self.sync_every == 0:

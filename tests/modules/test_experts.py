@@ -41,3 +41,24 @@ def test_counts_must_cover_the_rows():
     ex = GroupedExperts(2, 4, 3)
     with pytest.raises(ValueError, match="counts must hold e = 2 row counts summing to R = 5"):
         ex(torch.randn(5, 4), torch.tensor([2, 2]), counts=[2, 2])
+
+
+@pytest.mark.parametrize("amp_dtype", [torch.bfloat16, torch.float16])
+def test_grouped_experts_under_autocast(amp_dtype):
+    """fp32 experts under torch.autocast(cpu): the GEMMs run in the autocast dtype (the output equals the
+    same experts cast to it), the weight gradients come back to the fp32 parameters."""
+    ex = GroupedExperts(3, 8, 6, seed=4)
+    counts = [2, 0, 5]
+    x = torch.randn(7, 8, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    with torch.autocast("cpu", dtype=amp_dtype):
+        y = ex(x, torch.tensor(counts), counts=counts)
+    assert y.dtype == amp_dtype
+    low = GroupedExperts(3, 8, 6, seed=4).to(amp_dtype)
+    assert torch.equal(y, low(x.detach().to(amp_dtype), torch.tensor(counts), counts=counts))
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in (ex.w1, ex.w3, ex.w2))
+    assert ex.w1.grad[1].eq(0).all() and ex.w1.grad[0].abs().sum() > 0  # expert 1 got no rows
+    with torch.autocast("cpu", dtype=amp_dtype):  # float64 rows: autocast leaves them alone
+        y64 = ex.double()(x.detach().double(), torch.tensor(counts), counts=counts)
+    assert y64.dtype == torch.float64

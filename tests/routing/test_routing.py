@@ -8,6 +8,7 @@ brute force and the router must choose exactly the same experts.
 
 Shapes legend: T tokens, H hidden, E experts (global), K top-k, G expert groups, W EP ranks.
 """
+import dataclasses
 import math
 
 import pytest
@@ -433,7 +434,7 @@ def test_config_is_keyword_only_and_frozen():
     with pytest.raises(TypeError):
         MoEConfig(16, 32, 8, 2)  # noqa
     cfg = MoEConfig(**BASE)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.top_k = 3
     with pytest.raises(ValueError, match="top_k"):
         cfg.replace(top_k=9)

@@ -1,0 +1,317 @@
+"""Expert parallelism x data parallelism: DDP and FSDP2 around models that hold MoELayers.
+
+Shapes legend: EP expert-parallel size, DP data-parallel size, N = EP x DP ranks, E experts, e = E / EP.
+
+Layout. N ranks form a DP x EP grid, ``mesh = init_device_mesh(dev, (DP, EP), mesh_dim_names=("dp", "ep"))``
+and ``MoELayer(cfg, ep_group=mesh)`` (or ``ep_group=..., dp_group=...`` process groups). Each row (an EP
+group) holds all E experts, e per rank; each column (a DP group) holds the same e experts; every rank
+feeds its own tokens.
+
+- Replicated parameters (embeddings, attention, norms, routers, shared experts) are equal on all N ranks:
+  DDP or FSDP2 over all N averages their gradients (sum over N ranks / N).
+- Expert parameters are equal within a DP group and differ across an EP group, so a data-parallel
+  wrapper over all N ranks must leave them alone: plain ``DistributedDataParallel(model)`` would
+  broadcast rank 0's experts to every rank when it wraps the model and average different experts'
+  gradients (``MoELayer`` raises at its first forward under such a wrapper). After backward, an expert's
+  gradient on a rank already sums the contributions of every token of its EP group (the all-to-all
+  backward brings them), so the gradient of the mean loss over the N ranks is
+
+      expert grad = (sum over the DP group of the local expert gradients) / N  =  (mean over DP) / EP.
+
+  A data-parallel reduction of the experts over their DP group alone (DDP or FSDP2 on the DP group)
+  divides by DP only: the missing / EP is the "extra / EP" of hand-made FSDP2 recipes.
+
+``wrap_ddp`` and ``fully_shard_moe`` set this up. The expert parameters are left out of the wrapper
+(DDP: ignored parameters; FSDP2: ``ignored_params``, so they are NOT sharded: every rank holds its e
+experts whole, replicated over its DP group, as with DDP). An ``ExpertGradReducer`` sums their gradients
+over each layer's dp_group: one async all_reduce per expert weight, issued as soon as that layer's
+backward is done (so it overlaps the backward of the layers below), waited and divided by N at the end
+of the backward. Gradient accumulation: it reduces only on the backward that DDP / FSDP2 synchronise on
+(not inside ``ddp.no_sync()`` / after ``model.set_requires_gradient_sync(False)``), as they do.
+``check_expert_replicas`` (opt-in, e.g. every k steps) verifies that the DP replicas of every expert are
+still bit-identical, naming the ranks that differ.
+
+Why FSDP2 does not shard the experts here: the pipeline calls the experts C times per forward and runs
+their backward as a nested ``torch.autograd.backward`` per chunk; FSDP2's per-module hooks
+(unshard / reduce-scatter) would fire per chunk. Expert memory is divided by EP instead.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe_comm.comm.agree import agree
+from moe_comm.comm.collectives import group_rank, group_size, wait_work
+from moe_comm.modules.experts import GroupedExperts
+from moe_comm.modules.layer import MoELayer
+
+__all__ = ["moe_layers", "expert_parameters", "wrap_ddp", "fully_shard_moe", "ExpertGradReducer",
+           "check_expert_replicas"]
+
+_WEIGHTS = ("w1", "w3", "w2")
+_CHECKSUM_BLOCK = 1 << 24  # elements per block of the replica checksum: bounds its int64 scratch (128 MiB)
+
+
+def moe_layers(model: nn.Module) -> List[Tuple[str, MoELayer]]:
+    """(name, layer) of every MoELayer in ``model``, in module order."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)]
+
+
+def expert_parameters(model: nn.Module) -> List[Tuple[str, nn.Parameter]]:
+    """(name, parameter) of every expert weight (``GroupedExperts`` w1/w3/w2) in ``model``; names as
+    ``model.named_parameters()`` gives them."""
+    ids = {id(getattr(m, w)) for m in model.modules() if isinstance(m, GroupedExperts) for w in _WEIGHTS}
+    return [(name, p) for name, p in model.named_parameters() if id(p) in ids]
+
+
+def _check_grid(model: nn.Module, group: Optional[dist.ProcessGroup], what: str) -> int:
+    """Collective over ``group`` (None: WORLD): every MoELayer must tile the wrapper's N ranks as EP x DP.
+    Returns N; raises on every rank otherwise (``agree``)."""
+    N = dist.get_world_size(group)
+    members = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    local_error = None
+    try:
+        for name, layer in moe_layers(model):
+            ep, dp = group_size(layer.ep_group), group_size(layer.dp_group)
+            ranks = set(dist.get_process_group_ranks(layer.ep_group)) if layer.ep_group is not None else set()
+            if layer.dp_group is not None:
+                ranks |= set(dist.get_process_group_ranks(layer.dp_group))
+            if ep * dp != N or not ranks <= members:
+                raise ValueError(
+                    f"{what}: MoELayer {name!r} has EP size {ep} x DP size {dp} = {ep * dp} ranks, the wrapper's "
+                    f"group has {N} ({sorted(members)}); build the layers with the data-parallel group too: "
+                    f"MoELayer(cfg, ep_group=mesh) with a ('dp', 'ep') DeviceMesh, or dp_group=...")
+    except ValueError as err:
+        local_error = err
+    agree(group, {"MoE layers": len(moe_layers(model))}, what=what, local_error=local_error)
+    return N
+
+
+# --------------------------------------------------------------------------------- gradient reduction
+class _AfterLayerBackward(torch.autograd.Function):
+    """Identity on a layer's input x. Every gradient of the layer flows into x, so this backward runs once
+    the layer's whole backward (the experts' included) is done: it starts the layer's expert reduction.
+    ``anchor`` (an empty leaf that requires grad) makes it run even when x needs no gradient."""
+
+    @staticmethod
+    def forward(ctx, x, anchor, reducer, layer):
+        ctx.reducer, ctx.layer = reducer, layer
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.reducer._layer_done(ctx.layer)
+        return grad, None, None, None
+
+
+class ExpertGradReducer:
+    """Sums the expert gradients of ``model``'s MoELayers over each layer's dp_group and divides them by
+    ``world_size`` (N = EP x DP), at the end of every synchronised backward. ``wrap_ddp`` and
+    ``fully_shard_moe`` install one; build one yourself for another data-parallel scheme.
+
+    Args:
+        model: holds the MoELayers (their forward pre-hooks are installed here).
+        world_size: N, the ranks the mean loss is taken over (the wrapper's group size).
+        sync_enabled: called at each layer's forward: False skips the reduction of that backward (gradient
+            accumulation without communication). Default: always.
+    Per layer and synchronised backward: one async all_reduce per expert weight over the dp_group (none
+    when DP = 1), issued when the layer's backward is done, waited and divided by N in an autograd
+    end-of-backward callback. gloo has no 16-bit reductions: bf16/fp16 gradients travel as fp32 copies
+    there. ``remove()`` uninstalls it.
+    """
+
+    def __init__(self, model: nn.Module, world_size: int, sync_enabled: Optional[Callable[[], bool]] = None):
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"ExpertGradReducer: world_size must be an int >= 1, got {world_size!r}")
+        self.world_size = world_size
+        self.sync_enabled = sync_enabled or (lambda: True)
+        self.layers = [layer for _, layer in moe_layers(model)]
+        self._pending: List[Tuple[MoELayer, list]] = []
+        self._queued_for: Optional[int] = None  # autograd graph task whose end runs _finish
+        self._handles = [layer.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+                         for layer in self.layers]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _pre_forward(self, layer: MoELayer, args: tuple, kwargs: dict):
+        if torch._C._current_graph_task_id() == -1 and self._pending:
+            self._pending = []  # left by a backward that raised before its end (the group is rebuilt then)
+        if not torch.is_grad_enabled() or not self.sync_enabled():
+            return None
+        if args:
+            x = args[0]
+        elif "x" in kwargs:
+            x = kwargs["x"]
+        else:
+            raise TypeError("ExpertGradReducer: MoELayer was called without its input x")
+        if not isinstance(x, torch.Tensor):
+            return None  # the layer rejects it, on every rank
+        anchor = torch.empty(0, device=x.device, requires_grad=True)
+        marked = _AfterLayerBackward.apply(x, anchor, self, layer)
+        if args:
+            return (marked,) + tuple(args[1:]), kwargs
+        return args, {**kwargs, "x": marked}
+
+    def _layer_done(self, layer: MoELayer) -> None:
+        params = [getattr(layer.experts, w) for w in _WEIGHTS]
+        for p in params:
+            if p.grad is None:  # every rank reduces the same tensors
+                p.grad = torch.zeros_like(p)
+        group = layer.dp_group if group_size(layer.dp_group) > 1 else None
+        reductions = []
+        for p in params:
+            buf, work = p.grad, None
+            if group is not None:
+                low = buf.dtype in (torch.bfloat16, torch.float16) and "gloo" in str(dist.get_backend(group))
+                buf = buf.float() if low else buf
+                work = dist.all_reduce(buf, group=group, async_op=True)
+            reductions.append((p, buf, work))
+        self._pending.append((layer, reductions))
+        task = torch._C._current_graph_task_id()
+        if self._queued_for != task:
+            self._queued_for = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+
+    def _finish(self) -> None:
+        pending, self._pending, self._queued_for = self._pending, [], None
+        for layer, reductions in pending:
+            group = layer.dp_group
+            for p, buf, work in reductions:
+                wait_work(work, "expert gradient all_reduce over the data-parallel group",
+                          timeout=layer.dispatcher.timeout, rank=group_rank(group), what="all_reduce", group=group)
+                if buf is p.grad:
+                    p.grad.div_(self.world_size)
+                else:
+                    p.grad.copy_(buf.div_(self.world_size))
+
+
+# -------------------------------------------------------------------------------------------- wrappers
+def wrap_ddp(model: nn.Module, *, process_group: Optional[dist.ProcessGroup] = None, **ddp_kwargs):
+    """``DistributedDataParallel`` for a model holding MoELayers (collective over ``process_group``).
+
+    Args:
+        model: the model; every MoELayer in it must tile the DDP group as EP x DP (built with
+            ``ep_group=mesh`` for a ('dp', 'ep') mesh, or ``dp_group=``): checked, every rank raises otherwise.
+        process_group: the group over all N = EP x DP ranks (None: WORLD).
+        **ddp_kwargs: passed to DistributedDataParallel (``device_ids``, ``bucket_cap_mb``, ...).
+    Returns the DDP module. The expert parameters are ignored by DDP (not broadcast, not bucketed); an
+    ``ExpertGradReducer`` (``ddp._moe_expert_reducer``) reduces their gradients over each layer's dp_group,
+    divided by N, at the end of every backward DDP synchronises (not under ``ddp.no_sync()``). Replicated
+    parameters are DDP's: broadcast from rank 0 now, gradients averaged over N. Training code is that of
+    plain DDP: ``loss.backward(); optimizer.step()``.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    _check_grid(model, process_group, "wrap_ddp")
+    ignored = [name for name, _ in expert_parameters(model)]
+    known = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, sorted(known | set(ignored)))
+    ddp = DistributedDataParallel(model, process_group=process_group, **ddp_kwargs)
+    ddp._moe_expert_reducer = ExpertGradReducer(model, dist.get_world_size(ddp.process_group),
+                                                lambda: ddp.require_backward_grad_sync)
+    return ddp
+
+
+def _fsdp_syncs(model: nn.Module) -> bool:
+    """Whether FSDP2 reduces gradients on this backward (False after ``set_requires_gradient_sync(False)``);
+    reads torch 2.13's param-group flag (tests/parallel pins it)."""
+    from torch.distributed.fsdp import FSDPModule
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            for g in m._get_fsdp_state()._fsdp_param_groups:
+                return bool(g.reduce_grads)
+    return True
+
+
+def fully_shard_moe(model: nn.Module, mesh, *, blocks: Sequence[nn.Module] = (), **fsdp_kwargs) -> nn.Module:
+    """FSDP2 (``torch.distributed.fsdp.fully_shard``) for a model holding MoELayers (collective).
+
+    Args:
+        model: the model; every MoELayer in it must tile the mesh's N ranks as EP x DP (checked).
+        mesh: a DeviceMesh over all N = EP x DP ranks: 1-D (parameters sharded over N), or the 2-D
+            ('dp', 'ep') mesh the layers were built with (HSDP: replicated over 'dp', sharded over 'ep').
+        blocks: submodules to make their own FSDP units first (transformer blocks), then the root.
+        **fsdp_kwargs: passed to every ``fully_shard`` call (reshard_after_forward, mp_policy, ...).
+    Returns ``model`` (now an FSDPModule). The expert parameters are every unit's ``ignored_params``: not
+    sharded (replicated over each DP group), their gradients reduced by an ``ExpertGradReducer``
+    (``model._moe_expert_reducer``) over each layer's dp_group and divided by N, on the backwards FSDP2
+    synchronises. The other parameters become DTensors as usual; gradients averaged over N.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    N = int(mesh.size())
+    if N != dist.get_world_size():
+        raise ValueError(f"fully_shard_moe: mesh must span every EP x DP rank, the whole world of "
+                         f"{dist.get_world_size()} ranks, got a mesh of {N}")
+    _check_grid(model, None, "fully_shard_moe")
+    experts = {p for _, p in expert_parameters(model)}
+    for block in blocks:
+        fully_shard(block, mesh=mesh, ignored_params={p for p in block.parameters() if p in experts}, **fsdp_kwargs)
+    fully_shard(model, mesh=mesh, ignored_params=experts, **fsdp_kwargs)
+    model._moe_expert_reducer = ExpertGradReducer(model, N, lambda: _fsdp_syncs(model))
+    return model
+
+
+# -------------------------------------------------------------------------------------- replica check
+def _checksum(t: torch.Tensor) -> torch.Tensor:
+    """[2] int64: the sum of the tensor's words, and their sum weighted by position (mod 65521, + 1), in
+    wrapping int64 arithmetic (order-independent: bit-identical tensors, identical sums). Blocks of
+    2**24 elements bound the scratch memory."""
+    flat = t.detach().contiguous().reshape(-1)
+    words = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+    out = torch.zeros(2, dtype=torch.int64, device=t.device)
+    for start in range(0, words.numel(), _CHECKSUM_BLOCK):
+        w = words[start:start + _CHECKSUM_BLOCK].to(torch.int64)
+        pos = torch.arange(start, start + w.numel(), device=t.device, dtype=torch.int64) % 65521 + 1
+        out[0] += w.sum()
+        out[1] += (w * pos).sum()
+    return out
+
+
+def check_expert_replicas(model: nn.Module, group: Optional[dist.ProcessGroup] = None) -> int:
+    """Collective: check that the data-parallel replicas of every expert are bit-identical.
+
+    Every rank of ``group`` (None: WORLD; it must hold every rank of every layer's EP x DP grid) calls it.
+    Per MoELayer, each rank computes a checksum of its expert weights (two int64 sums per weight: one pass
+    over the weights, no copy) and of its expert ids; the checksums travel in one ``all_gather`` per
+    distinct dp_group, then one ``agree`` over ``group`` spreads the verdict. Raises ValueError on every
+    rank when two DP replicas differ, naming the layer, the weight and the (global) ranks holding each
+    version; returns the number of layers checked. Opt-in: call it when you want (e.g. every 100 steps,
+    after ``optimizer.step()``); layers without data parallelism are skipped.
+    """
+    layers = [(name, layer) for name, layer in moe_layers(model) if group_size(layer.dp_group) > 1]
+    by_group: Dict[int, List[Tuple[str, MoELayer]]] = {}
+    for name, layer in layers:
+        by_group.setdefault(id(layer.dp_group), []).append((name, layer))
+    problems: List[str] = []
+    for members in by_group.values():
+        dp = members[0][1].dp_group
+        rows = []
+        for _, layer in members:
+            ids = torch.tensor(layer.local_expert_ids, dtype=torch.int64, device=layer.experts.w1.device)
+            parts = [_checksum(ids)] + [_checksum(getattr(layer.experts, w)) for w in _WEIGHTS]
+            rows.append(torch.cat(parts))
+        local = torch.stack(rows)  # [layers, 8]
+        every = [torch.empty_like(local) for _ in range(group_size(dp))]
+        dist.all_gather(every, local, group=dp)
+        ranks = dist.get_process_group_ranks(dp)
+        table = torch.stack(every).cpu()  # host sync: the check reads the checksums
+        for li, (name, layer) in enumerate(members):
+            for k, what in enumerate(("expert ids",) + tuple(f"experts.{w}" for w in _WEIGHTS)):
+                versions: Dict[tuple, List[int]] = {}
+                for r in range(len(ranks)):
+                    versions.setdefault(tuple(table[r, li, 2 * k:2 * k + 2].tolist()), []).append(ranks[r])
+                if len(versions) > 1:
+                    problems.append(f"layer {name!r} (experts {layer.local_expert_ids}): {what} differs between "
+                                    + " and ".join(f"ranks {rs}" for rs in versions.values()))
+    error = ValueError("check_expert_replicas: data-parallel replicas of the experts differ: " + "; ".join(problems)
+                       + " (were the expert gradients reduced over dp_group? moe_comm.parallel.wrap_ddp / "
+                       "fully_shard_moe do it)") if problems else None
+    agree(group if group is not None else dist.group.WORLD, {}, what="check_expert_replicas", local_error=error)
+    return len(layers)
