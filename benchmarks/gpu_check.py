@@ -193,7 +193,8 @@ def main(argv=None) -> int:
         """Bitwise when rtol is None, else allclose; records the max abs error either way."""
         if got.shape != want.shape or got.dtype != want.dtype:
             res.checks[op] = {"ok": False, "max_abs_err": None,
-                              "detail": f"got {tuple(got.shape)} {got.dtype}, expected {tuple(want.shape)} {want.dtype}"}
+                              "detail": f"got {tuple(got.shape)} {got.dtype}, "
+                                        f"expected {tuple(want.shape)} {want.dtype}"}
             return
         # in row chunks of ~2^27 elements: the wide case has N*H > 2^31 and float64 copies would be huge
         rows = max(1, (1 << 27) // max(got.shape[-1], 1))
@@ -205,7 +206,8 @@ def main(argv=None) -> int:
                 if rtol is not None:
                     close = close and bool(torch.allclose(a, b, rtol=rtol, atol=atol))
         ok = bool(torch.equal(got, want)) if rtol is None else close
-        res.checks[op] = {"ok": ok, "max_abs_err": max_err, "detail": "bitwise" if rtol is None else f"rtol={rtol:g} atol={atol:g}"}
+        res.checks[op] = {"ok": ok, "max_abs_err": max_err,
+                          "detail": "bitwise" if rtol is None else f"rtol={rtol:g} atol={atol:g}"}
 
     def run_case(case: Case, seed: int, bench: bool) -> CaseResult:
         res = CaseResult(case=asdict(case), name=case.name)
@@ -343,23 +345,29 @@ def print_summary(results: List[CaseResult], sweep: List[Dict], ok: bool, wall: 
     bench = [r for r in results if r.bandwidth]
     if bench:
         print("\nbandwidth (GB/s, median; 'copy' = dst.copy_(src) of the same bytes)")
-        print(f"{'case':<52} {'permute':>8} {'copy':>7} {'frac':>5} | {'unperm*w':>8} {'copy':>7} {'frac':>5}")
+        print(f"{'case':<52} {'permute':>8} {'copy':>7} {'frac':>5} | "
+              f"{'unperm*w':>8} {'copy':>7} {'frac':>5}")
         for r in bench:
             p, u = r.bandwidth.get("permute"), r.bandwidth.get("unpermute*w")
             cols = []
             for b in (p, u):
-                cols.append(f"{b['gbps']:8.1f} {b['copy_gbps']:7.1f} {b['of_copy']:5.2f}" if b else f"{'-':>8} {'-':>7} {'-':>5}")
+                cols.append(f"{b['gbps']:8.1f} {b['copy_gbps']:7.1f} {b['of_copy']:5.2f}" if b
+                            else f"{'-':>8} {'-':>7} {'-':>5}")
             print(f"{r.name:<52} {cols[0]} | {cols[1]}")
     if sweep:
         print("\ncolumn-block sweep (GB/s and fraction of copy)")
-        print(f"{'case':<34} {'bytes':>6} {'BLOCK_H':>7} {'warps':>5} {'permute':>8} {'frac':>5} {'unperm*w':>8} {'frac':>5}")
+        print(f"{'case':<34} {'bytes':>6} {'BLOCK_H':>7} {'warps':>5} "
+              f"{'permute':>8} {'frac':>5} {'unperm*w':>8} {'frac':>5}")
         for s in sweep:
             print(f"{s['case']:<34} {s['block_bytes']:>6} {s['BLOCK_H']:>7} {s['num_warps']:>5} "
-                  f"{s['permute_gbps']:8.1f} {s['permute_of_copy']:5.2f} {s['unpermute_gbps']:8.1f} {s['unpermute_of_copy']:5.2f}")
+                  f"{s['permute_gbps']:8.1f} {s['permute_of_copy']:5.2f} "
+                  f"{s['unpermute_gbps']:8.1f} {s['unpermute_of_copy']:5.2f}")
     n_checks = sum(len(r.checks) for r in results)
     failed = [r.name for r in results if not r.ok]
     print(f"\n{'PASS' if ok else 'FAIL'}: {len(results) - len(failed)}/{len(results)} cases, {n_checks} checks, "
-          f"{wall:.1f} s" + (f"; failed: {failed[:5]}" + (f" and {len(failed) - 5} more" if len(failed) > 5 else "") if failed else ""))
+          f"{wall:.1f} s"
+          + (f"; failed: {failed[:5]}" + (f" and {len(failed) - 5} more" if len(failed) > 5 else "")
+             if failed else ""))
 
 
 if __name__ == "__main__":

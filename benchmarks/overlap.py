@@ -121,13 +121,14 @@ def _print(summaries):
     from rich.table import Table
 
     t = Table(title="MoE layer fwd+bwd: pipelined chunks vs the ideal max(T_compute, T_comm)")
-    for col in ("link", "W", "C", "transport", "step ms", "ideal ms", "step/ideal", "T_comp ms", "T_comm ms", "hidden ms",
-                "exposed ms", "tl overlap", "wall overlap"):
+    for col in ("link", "W", "C", "transport", "step ms", "ideal ms", "step/ideal", "T_comp ms", "T_comm ms",
+                "hidden ms", "exposed ms", "tl overlap", "wall overlap"):
         t.add_column(col, justify="right")
     for s in summaries:
         for p in s["points"]:
             c = f"auto->{p['chosen_C']}" if p["C"] == "auto" else str(p["C"])
-            t.add_row(s["link"], str(s["world_size"]), c, p.get("transport", ""), f"{p['step_s'] * 1e3:.1f}", f"{s['ideal_s'] * 1e3:.1f}",
+            t.add_row(s["link"], str(s["world_size"]), c, p.get("transport", ""), f"{p['step_s'] * 1e3:.1f}",
+                      f"{s['ideal_s'] * 1e3:.1f}",
                       f"{p['vs_ideal']:.2f}", f"{p['T_compute_s'] * 1e3:.1f}", f"{p['T_comm_s'] * 1e3:.1f}",
                       f"{p['hidden_s'] * 1e3:.1f}", f"{p['exposed_s'] * 1e3:.1f}",
                       f"{p['timeline_overlap_fraction']:.0%}", f"{p['wallclock_hidden_fraction']:.0%}")

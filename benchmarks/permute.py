@@ -132,7 +132,8 @@ def run(args: argparse.Namespace, device: str = "cpu") -> Dict[str, object]:
 
 def print_table(report: Dict[str, object]) -> None:
     cfg = report["config"]
-    title = (f"permute / unpermute on {cfg['device']}, T={cfg['tokens']} H={cfg['hidden']} K={cfg['topk']} E={cfg['experts']} "
+    title = (f"permute / unpermute on {cfg['device']}, "
+             f"T={cfg['tokens']} H={cfg['hidden']} K={cfg['topk']} E={cfg['experts']} "
              f"{cfg['dtype']}, {cfg['threads']} threads, median of {cfg['repeats']}")
     header = ("op", "kernel", "ms", "GB/s", "of copy")
     rows = [(r["op"], r["name"], f"{r['median_s'] * 1e3:.2f}", f"{r['gbps']:.2f}", f"{r['frac_memcpy']:.0%}")

@@ -20,7 +20,7 @@ from moe_comm.comm.agree import RemoteError, disagreement
 from moe_comm.comm.collectives import (REBUILD, CollectiveError, check_usable, group_device, group_rank, group_size,
                                        issuing, poison, record_arrival, wait_work)
 from moe_comm.comm.wire import (HEADER_WORDS, MAGIC, MESSAGE_WORDS, PHASE_TEXT, Failure, Phase, ProtocolError, Word,
-                                decode_message, describe_position, dtype_name, encode_message, header, positions)
+                                decode_message, describe_position, dtype_name, encode_message, positions)
 
 __all__ = ["Channel", "Pending", "PeerFailed", "next_index"]
 
@@ -169,7 +169,8 @@ class Channel:
             bad = [r for r, row in enumerate(rows) if row[word] > 0]
             if bad:
                 raise ValueError(f"moe_comm: {text} on EP rank(s) {bad} "
-                                 f"({', '.join(str(rows[r][word]) for r in bad)}); every rank raised, no rows were sent")
+                                 f"({', '.join(str(rows[r][word]) for r in bad)}); "
+                                 f"every rank raised, no rows were sent")
 
     def _raise_failure(self, pending: Pending, rows: List[List[int]], failed: List[int]) -> None:
         lines = []

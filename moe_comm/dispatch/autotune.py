@@ -167,7 +167,8 @@ def choose_num_chunks(expert_s: float, nbytes: float, alpha: float, beta: float,
             best = C
     comm = 2 * (alpha + (nbytes / beta if beta != float("inf") else 0.0))
     serial = pred[1]
-    reason = (f"C={best}: overlap efficiency {overlap:.2f}, per-chunk overhead {kappa * 1e3:.2f} ms, comm {comm * 1e3:.2f} ms/fwd (alpha {alpha * 1e6:.0f} us, beta {beta / 1e9:.2f} GB/s, "
+    reason = (f"C={best}: overlap efficiency {overlap:.2f}, per-chunk overhead {kappa * 1e3:.2f} ms, "
+              f"comm {comm * 1e3:.2f} ms/fwd (alpha {alpha * 1e6:.0f} us, beta {beta / 1e9:.2f} GB/s, "
               f"{nbytes / 1e6:.2f} MB per a2a), experts {expert_s * 1e3:.2f} ms/fwd; predicted fwd+bwd "
               f"{pred[best] * 1e3:.2f} ms vs {serial * 1e3:.2f} ms unchunked")
     return PipelinePlan(num_chunks=best, alpha_s=alpha, beta_bytes_per_s=beta, expert_s=expert_s, kappa_s=kappa,

@@ -181,9 +181,10 @@ class MoELayer(nn.Module):
             ``finish_bias_update()``, which ``state_dict()`` calls): no host sync, identical on every rank.
             It counts forwards, not optimizer steps: with gradient accumulation over n micro-batches,
             divide the rate by n.
-        strict, timeout: passed to the Dispatcher: reject NaN/Inf inputs on every rank; seconds before
-            a stuck all-to-all (and the monitor's / bias update's all_reduce) raises CollectiveError
-            naming the phase.
+        strict, timeout, end_check: passed to the Dispatcher: reject NaN/Inf inputs on every rank; seconds
+            before a stuck all-to-all (and the monitor's / bias update's all_reduce) raises CollectiveError
+            naming the phase; when the end-of-forward/backward check is read ("eager" on CPU: before the
+            forward returns; "deferred" on CUDA: with the next read, keeping one host sync per forward).
 
     Activation checkpointing (``torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=...)``): the
     recompute inside backward neither records load into the monitor, nor applies or schedules a bias
@@ -211,7 +212,7 @@ class MoELayer(nn.Module):
     def __init__(self, cfg: MoEConfig, ep_group=None, *, dp_group=None, allow_single_process: bool = False,
                  backend: str = "auto", seed: Optional[int] = None, device=None, dtype=None,
                  monitor: Union[bool, dict, LoadMonitor, None] = True, bias_update_rate: float = 0.0,
-                 strict: bool = False, timeout: Optional[float] = None):
+                 strict: bool = False, timeout: Optional[float] = None, end_check: Optional[str] = None):
         super().__init__()
         # No group, no collective: these raise here alone (the same way on every rank).
         check_bool("MoELayer: allow_single_process", allow_single_process)
@@ -234,7 +235,7 @@ class MoELayer(nn.Module):
         _agree_ep_dp(self.ep_group, self.dp_group, settings, local_error)
         # After the agreement, so that every rank gets here: the Dispatcher's own agreement is collective.
         self.dispatcher = Dispatcher(cfg.num_experts, self.ep_group, cfg.num_chunks, backend=backend,
-                                     strict=strict, timeout=timeout)
+                                     strict=strict, timeout=timeout, end_check=end_check)
         if not self.experts.w1.is_meta:  # meta: reset_parameters() after to_empty() makes them equal
             self._broadcast_replicated()
         self.register_forward_pre_hook(_check_data_parallel_hook)
@@ -453,7 +454,8 @@ class MoELayer(nn.Module):
                                      num_experts=E)
         old = self.dispatcher
         self.dispatcher = Dispatcher(len(new_p2l), self.ep_group, old.num_chunks, backend=old.backend,
-                                     strict=old.strict, timeout=old.timeout)
+                                     strict=old.strict, timeout=old.timeout, end_check=old.end_check,
+                                     direct_min_bytes=old.direct_min_bytes)
         self.dispatcher.timeline = old.timeline
         self._replica_slots_EC, self._replica_count_E, self._max_replicas = replica_tables(new_p2l, E, params[0].device)
         self._placement, self._phys_to_logical = placement, new_p2l

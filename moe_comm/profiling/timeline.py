@@ -288,7 +288,7 @@ class Timeline:
             if not self._warned_no_future:
                 self._warned_no_future = True
                 warnings.warn(f"moe_comm Timeline: this collective's work has no future ({err}); its comm "
-                              f"spans are not recorded (no completion time, no honest measurement)")
+                              f"spans are not recorded (no completion time, no honest measurement)", stacklevel=2)
             return None
         rec = _PendingComm(meta, float(start))
         self._pending_comm.append(rec)
@@ -359,7 +359,7 @@ class Timeline:
         left = self.synchronize(timeout)
         if left:
             warnings.warn(f"moe_comm Timeline: {left} span(s) still pending after {timeout:.3g} s "
-                          f"(collective not complete); left out")
+                          f"(collective not complete); left out", stacklevel=2)
         return sorted(self._done, key=lambda s: (s.start, s.end))
 
     def reset(self) -> None:

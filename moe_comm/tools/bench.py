@@ -115,7 +115,8 @@ def measure_dispatch(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_
 
     phases = {
         "layout": lambda: ops.make_layout(topk_idx_TK, dispatcher.num_experts, num_ranks=W),
-        "permute": lambda: ops.permute(x_TH, handle.layout, out=dispatcher.workspace.rows("send", plan.num_rows, H, x_TH)),
+        "permute": lambda: ops.permute(x_TH, handle.layout,
+                                       out=dispatcher.workspace.rows("send", plan.num_rows, H, x_TH)),
         "counts": lambda: exchange_counts(counts, group),
         "a2a": lambda: _raw(x_NH, raw_out, plan, group),
         "regroup": lambda: (ops.gather_rows(raw_out, plan.expert_index_R, plan.source_index_R)
@@ -157,7 +158,8 @@ def _raw(x, out, plan, group, back: bool = False):
     """The raw all-to-all of the dispatch's bytes and splits (``back``: the combine's direction)."""
     from moe_comm.comm.collectives import all_to_all_v_async, wait_work
 
-    out_splits, in_splits = (plan.send_splits_W, plan.recv_splits_W) if back else (plan.recv_splits_W, plan.send_splits_W)
+    out_splits, in_splits = ((plan.send_splits_W, plan.recv_splits_W) if back
+                             else (plan.recv_splits_W, plan.send_splits_W))
     wait_work(all_to_all_v_async(out, x, out_splits, in_splits, group), "raw a2a")
 
 

@@ -193,9 +193,10 @@ def _print_bench(points: List[dict]) -> None:
     t.caption = ("e2e/raw = 2 x raw a2a time / (dispatch + combine time); limit = 2 x raw / (min dispatch + "
                  "min combine): the unavoidable passes (layout, counts under the permute, raw a2a; raw a2a, "
                  "unpermute) timed back to back, none overlapping a transfer (moe_comm/bench.py); path: p2p = "
-                 "rows sent point-to-point into expert-major order, a2a = one all-to-all + regroup; phase columns in ms, each timed on its own, each including one barrier "
-                 "(floor); layer ms = pipelined MoELayer forward+backward with C chunks and the transport it chose; layer "
-                 "a2a / p2p = the same step with that transport forced (the layer runs dispatch's transports)")
+                 "rows sent point-to-point into expert-major order, a2a = one all-to-all + regroup; "
+                 "phase columns in ms, each timed on its own, each including one barrier "
+                 "(floor); layer ms = pipelined MoELayer forward+backward with C chunks and the transport it chose; "
+                 "layer a2a / p2p = the same step with that transport forced (the layer runs dispatch's transports)")
     Console(width=220).print(t)
 
 
@@ -207,7 +208,7 @@ def _plot_bench(points: List[dict], path: str) -> None:
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        raise SystemExit("error: --plot needs matplotlib: pip install 'moe_comm[plot]'")
+        raise SystemExit("error: --plot needs matplotlib: pip install 'moe_comm[plot]'") from None
     pts = sorted(points, key=lambda p: p["bytes_per_pair"])
     x = [p["bytes_per_pair"] / 2 ** 20 for p in pts]
     fig = Figure(figsize=(8, 5))  # no pyplot, no matplotlib.use: the caller's backend is untouched
@@ -284,7 +285,8 @@ def _positive(v: str) -> int:
 
 def _add_layer_args(sp, *, world_size: int, tokens: int, hidden: int, ffn: int, experts: int, top_k: int) -> None:
     """The single-valued layer-shape flags shared by demo and profile."""
-    sp.add_argument("--world-size", type=_positive, default=world_size, help="gloo ranks to spawn (ignored under torchrun)")
+    sp.add_argument("--world-size", type=_positive, default=world_size,
+                    help="gloo ranks to spawn (ignored under torchrun)")
     sp.add_argument("--tokens", type=_positive, default=tokens, help="tokens per rank (T)")
     sp.add_argument("--hidden", type=_positive, default=hidden, help="hidden size (H)")
     sp.add_argument("--ffn", type=_positive, default=ffn, help="expert FFN size (F)")
@@ -295,7 +297,8 @@ def _add_layer_args(sp, *, world_size: int, tokens: int, hidden: int, ffn: int, 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-comm", description="Expert-parallel MoE communication tools.")
     sub = p.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="multi-rank CPU dispatch demo: self-check, throughput vs raw all-to-all, layer step",
+    d = sub.add_parser("demo",
+                       help="multi-rank CPU dispatch demo: self-check, throughput vs raw all-to-all, layer step",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_layer_args(d, world_size=4, tokens=4096, hidden=1024, ffn=512, experts=16, top_k=2)
     d.add_argument("--repeats", type=_positive, default=10, help="timed repeats (median reported)")

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import moe_comm
-from moe_comm.comm import CollectiveError, PeerFailed, ProtocolError, RemoteError
 
 H = 8
 # (transport, direct_min_bytes): point-to-point needs e > 1 (E = 2W) and a threshold of 0.
