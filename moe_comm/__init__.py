@@ -5,7 +5,7 @@ unpermute), checkpoint helpers, LoadMonitor, plan_placement, and the dense refer
 
 Dependency rule (one way, lowest first; tested in tests/test_dependencies.py):
 
-    kernels -> ops -> comm -> dispatch -> {monitor, placement} -> modules
+    kernels -> ops -> comm -> dispatch -> {monitor, placement} -> modules -> {parallel, hf}
 
 ``config``, ``routing``, ``_checks`` and ``profiling`` may be imported from anywhere in the core.
 Nothing in the core imports ``tools`` (cli, bench, diagnose, launch, slow_link) or ``testing`` (dense

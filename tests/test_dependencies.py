@@ -26,7 +26,8 @@ from typing import List, Optional
 REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "moe_comm"
 
-LAYERS = {"kernels": 0, "ops": 1, "comm": 2, "dispatch": 3, "monitor": 4, "placement": 4, "modules": 5}
+LAYERS = {"kernels": 0, "ops": 1, "comm": 2, "dispatch": 3, "monitor": 4, "placement": 4, "modules": 5,
+          "parallel": 6, "hf": 6}
 FREE_IMPORTS = {  # importable from anywhere; what each may import itself
     "config": {"config", "_checks", "profiling"},
     "_checks": {"config", "_checks", "profiling"},

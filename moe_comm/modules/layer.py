@@ -102,6 +102,9 @@ def _finish_bias_update_hook(module: "MoELayer", *args, **kwargs) -> None:
 def _check_data_parallel_hook(module: "MoELayer", args) -> None:
     # A DDP / FSDP2 wrapper that mixes different EP ranks' experts: every rank raises (through the
     # Dispatcher's exchange, which every rank reaches) instead of training on overwritten experts.
+    # Eager forwards only: under torch.compile the stack walk is not traceable (and not checked).
+    if torch.compiler.is_compiling():
+        return
     error = data_parallel_error(module)
     if error is not None:
         module.dispatcher.fail(error, device=module.experts.w1.device)

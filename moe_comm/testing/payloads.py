@@ -44,8 +44,8 @@ def self_check_dispatch(dispatcher: Dispatcher, routing_of: Callable[[int], torc
     start = 0
     for j, n in enumerate(out.counts):
         g = rank * e + j
-        # host sync: self-check, off the hot path
-        expected = [(s, t) for s in range(W) for t in (routing_of(s) == g).any(1).nonzero().flatten().tolist()]
+        holders = [(s, (routing_of(s) == g).any(1).nonzero().flatten()) for s in range(W)]
+        expected = [(s, t) for s, tokens in holders for t in tokens.tolist()]  # host sync: self-check, off the hot path
         rows = out.tokens[start:start + n]
         got = [(int(a), int(b)) for a, b in rows[:, :2].tolist()]  # host sync: self-check, off the hot path
         if got != expected:

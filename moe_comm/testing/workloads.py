@@ -284,6 +284,6 @@ def routing_logits(topk_idx_TK: torch.Tensor, num_experts: int, seed: int = 0,
     g = torch.Generator().manual_seed(seed)
     logits_TE = -torch.rand(T, num_experts, generator=g, dtype=torch.float64)
     chosen_TK = 2.0 - torch.arange(K, dtype=torch.float64) / K
-    # host sync: generators build CPU routings
-    logits_TE.scatter_(1, topk_idx_TK.cpu(), chosen_TK.expand(T, K).contiguous())
+    idx_TK = topk_idx_TK.cpu()  # host sync: generators build CPU routings
+    logits_TE.scatter_(1, idx_TK, chosen_TK.expand(T, K).contiguous())
     return logits_TE.to(dtype=dtype, device=topk_idx_TK.device)

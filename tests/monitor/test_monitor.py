@@ -4,7 +4,8 @@ Tier 1 (pure logic, one process): workloads are reproducible and plant the distr
 monitor counts and metrics equal a brute-force recount for every workload; planted hot experts are found
 with their rank and nothing is flagged on uniform load; the hot-change callback and log record fire at
 the right steps; summary / to_json schema; plot writes a PNG (skipped without matplotlib); observe makes
-no host sync (host-reading Tensor methods raise while it runs).
+no host sync (host-reading Tensor methods raise while it runs); a window too large for memory raises at
+construction; to_json writes strict JSON (null for NaN / Infinity).
 Tier 2 (multi-rank gloo, ``ranks`` fixture, 2 and 4 ranks): observe(group=...) sums over the EP group
 and equals the brute-force recount of every rank's routing.
 """

@@ -1,12 +1,15 @@
 """Applying a rebalance plan to a layer (``MoELayer.apply_placement``).
 
 Tier 1 (pure logic, one process): the transfer plan, the replica tables, the logical -> physical routing
-(deterministic, balanced within one row, dropped slots stay -1), unsupported optimizer state raises.
+(deterministic, balanced within one row, dropped slots stay -1), unsupported optimizer state raises;
+replicas on one rank are summed; a float phys_to_logical raises (never truncated); ``relayout_slots``
+moves weights and optimizer state outside the Module; placement/ and monitor/ never import modules/.
 Tier 2 (multi-rank gloo, ``ranks`` fixture, 2 and 4 ranks): a layer before and after apply_placement (and
 after a second placement) gives the same outputs and gradients (<= 1e-5, replica gradients summed by
 ``sync_replica_grads``) with replicas that really receive tokens; Adam state moves with the experts and
 training continues step for step like an unplaced twin; checkpoints stay keyed by logical expert id and
-a logical checkpoint fills every replica.
+a logical checkpoint fills every replica; a hand-made placement with two replicas of one expert on one
+rank gives the unplaced gradients (``sync_replica_grads`` adds them).
 """
 from __future__ import annotations
 
