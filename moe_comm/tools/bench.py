@@ -23,6 +23,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
+from moe_comm.comm.collectives import group_device
 from moe_comm.dispatch.dispatcher import Dispatcher
 
 __all__ = ["timed", "slowest_median", "BenchPoint", "measure_dispatch", "bench_rank", "grid_points"]
@@ -74,9 +75,9 @@ def timed(fn, group) -> float:
 
 def slowest_median(samples: List[float], group) -> float:
     """The slowest rank's median of ``samples`` (collective: one all_reduce MAX)."""
-    t = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+    t = torch.tensor([statistics.median(samples)], dtype=torch.float64).to(group_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t)
+    return float(t)  # host sync: benchmark bookkeeping, between timed calls
 
 
 def measure_dispatch(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor,
@@ -95,7 +96,7 @@ def measure_dispatch(x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_
     x_NH = ops.permute(x_TH, handle.layout)
     raw_out = x_TH.new_empty(plan.num_recv, H)  # the transport's best case: a buffer already touched
     W = dist.get_world_size(group) if group is not None else 1
-    counts = torch.zeros(W, dispatcher.num_local_experts + 3, dtype=torch.int64)
+    counts = torch.zeros(W, dispatcher.num_local_experts + 3, dtype=torch.int64, device=group_device(group))
     y_RH = out.tokens.clone()
     back_NH = torch.empty_like(x_NH)
     send_NH = torch.empty_like(x_NH)
