@@ -67,12 +67,12 @@ class SequenceTask:
 
     def __init__(self, num_clusters: int, seq_len: int, seqs_per_rank: int, seed: int):
         g = torch.Generator().manual_seed(seed)
-        C, D, O, M = num_clusters, IN_FEATURES, OUT_FEATURES, TASK_WIDTH
+        C, D, M = num_clusters, IN_FEATURES, TASK_WIDTH
         self.C, self.L, self.B, self.seed = C, seq_len, seqs_per_rank, seed
         self.mu_CD = torch.randn(C, D, generator=g) * 2.0
         self.A_CMD = torch.randn(C, M, D, generator=g) * (1.5 / math.sqrt(D))
-        self.B_COM = torch.randn(C, O, M, generator=g) / math.sqrt(M)
-        self.P_OD = torch.randn(O, D, generator=g) / math.sqrt(D)
+        self.B_COM = torch.randn(C, OUT_FEATURES, M, generator=g) / math.sqrt(M)
+        self.P_OD = torch.randn(OUT_FEATURES, D, generator=g) / math.sqrt(D)
 
     def sample(self, rank: int, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """-> x [B, L, D], y [B, L, O] float32 (CPU)."""

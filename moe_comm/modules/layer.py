@@ -200,7 +200,10 @@ class MoELayer(nn.Module):
 
     The router weight is replicated: it is broadcast from EP rank 0 at construction, and its
     gradient holds the local tokens' contribution only; all-reduce it over the data-parallel
-    ranks yourself (as DDP does). ``layer.aux_loss`` is the last forward's router loss (a scalar
+    ranks yourself (as DDP does). ``moe_comm.parallel.wrap_ddp`` / ``fully_shard_moe`` wire DDP / FSDP2
+    for EP x DP (experts kept out of the wrapper, their gradients summed over dp_group / N); a plain
+    DDP / FSDP2 wrapper that manages the experts over ranks holding other experts makes the forward raise
+    on every rank. ``layer.aux_loss`` is the last forward's router loss (a scalar
     that backpropagates); add it to your loss. Every EP rank must call forward and backward
     together (they are collective), even a rank with zero tokens, and must build the layer with the
     same config, dtype, monitor on/off and bias_update_rate. Construction is collective: every rank checks
@@ -298,7 +301,8 @@ class MoELayer(nn.Module):
         parameters once over the DP group."""
         if group_size(self.ep_group) > 1:
             src = dist.get_global_rank(self.ep_group, 0)
-            params = [self.router.weight] + ([] if self.shared_experts is None else list(self.shared_experts.parameters()))
+            params = [self.router.weight]
+            params += [] if self.shared_experts is None else list(self.shared_experts.parameters())
             params += [] if self.shared_expert_gate is None else [self.shared_expert_gate.weight]
             for p in params:
                 dist.broadcast(p.data, src=src, group=self.ep_group)

@@ -7,7 +7,8 @@ T tokens, S window slots (the last ``window`` observed steps, a ring buffer).
 ``observe`` runs inside the forward on the device and never synchronises with the host: it only adds
 into device tensors (the ring of counts, running totals, an EMA, the router entropy and the hot-expert
 state machine). With ``group=...`` it sums the counts over the EP group with one asynchronous
-all_reduce, whose result is folded in at the next ``observe`` or read. Reading (``summary``,
+all_reduce (and with ``dp_group=...`` then over the data-parallel replicas with one more: the global
+batch), whose result is folded in at the next ``observe`` or read. Reading (``summary``,
 ``hot_experts``, ``poll``, ``to_json``, ``plot``) copies the state to the host: that is the sync, and
 it is also when the ``on_hot_change`` callback and the log record fire (for every change since the last
 read, in step order, with the step each happened at; at most ``window`` steps back).
@@ -507,7 +508,8 @@ class LoadMonitor:
         else:
             out["window"] = out["ema"] = out["last"] = None
         routed, dropped = int(st["total_E"].sum()), int(st["total_dropped"])
-        out["total"] = {"tokens_per_expert": st["total_E"].tolist(), "routed": routed, "dropped": dropped,  # host sync: read side
+        total_E = st["total_E"].tolist()  # host sync: read side
+        out["total"] = {"tokens_per_expert": total_E, "routed": routed, "dropped": dropped,
                         "drop_fraction": dropped / (routed + dropped) if routed + dropped else None}
         ent = st["entropy_S"]
         seen = ent[~ent.isnan()]
@@ -524,8 +526,8 @@ class LoadMonitor:
         router_entropy [S] (None without scores), hot [S] lists of hot expert ids."""
         st = self._host()
         n = st["counts_SE"].shape[0]
-        return {"steps": list(range(self._done - n, self._done)),
-                "tokens_per_expert": st["counts_SE"].tolist(), "dropped": st["dropped_S"].tolist(),  # host sync: read side
+        counts, dropped = st["counts_SE"].tolist(), st["dropped_S"].tolist()  # host sync: read side
+        return {"steps": list(range(self._done - n, self._done)), "tokens_per_expert": counts, "dropped": dropped,
                 "router_entropy": [_finite_or_none(x) for x in st["entropy_S"].tolist()],  # host sync: read side
                 "hot": [row.nonzero().flatten().tolist() for row in st["hot_SE"]]}  # host sync: read side
 

@@ -124,8 +124,9 @@ def rank_loads(phys_to_logical: Union[torch.Tensor, Sequence[int]], load_E, num_
     """[W] float64 load of each rank when ``load_E`` ([E] or [L, E]: summed over L) is split evenly over
     the replicas in ``phys_to_logical`` ([P], slot p on rank p // (P / W)).
     Example: phys_to_logical [0, 1, 0, 2], load [6, 1, 1], W=2 -> [3 + 1, 3 + 1] = [4, 4]."""
-    p2l = np.asarray(phys_to_logical.tolist() if isinstance(phys_to_logical, torch.Tensor) else phys_to_logical,  # host sync: planner works on CPU tensors
-                     dtype=np.int64)
+    if isinstance(phys_to_logical, torch.Tensor):
+        phys_to_logical = phys_to_logical.tolist()  # host sync: the planner works on host lists
+    p2l = np.asarray(phys_to_logical, dtype=np.int64)
     load = _as_history(load_E).sum(0)
     E, P = load.shape[0], p2l.shape[0]
     if P % num_ranks:

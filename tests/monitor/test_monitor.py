@@ -7,7 +7,8 @@ the right steps; summary / to_json schema; plot writes a PNG (skipped without ma
 no host sync (host-reading Tensor methods raise while it runs); a window too large for memory raises at
 construction; to_json writes strict JSON (null for NaN / Infinity).
 Tier 2 (multi-rank gloo, ``ranks`` fixture, 2 and 4 ranks): observe(group=...) sums over the EP group
-and equals the brute-force recount of every rank's routing.
+and equals the brute-force recount of every rank's routing; with dp_group=... it (and reduce_counts) sums
+over EP x DP, the global batch.
 """
 from __future__ import annotations
 
@@ -388,9 +389,41 @@ def test_monitor_group_reduce_equals_recount(ranks, world_size):
             assert summ == results[0][1], "every rank sees the same global statistics"
 
 
+def _rank_observe_ep_dp(rank, world_size, steps, T):
+    """EP 2 x DP (world / 2): observe over the EP group and the DP group; also ``reduce_counts``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from moe_comm.monitor.load import reduce_counts
+    mesh = init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "ep"))
+    ep, dp = mesh["ep"].get_group(), mesh["dp"].get_group()
+    f = wl.make_workload("zipf", s=1.2)
+    mon, alone = LoadMonitor(E, num_ranks=2, window=steps), []
+    for step in range(steps):
+        idx = f(T, E, K, seed=100 + rank, step=step)
+        counts_E, dropped = wl.count_tokens(idx, E)
+        mon.observe(counts_E, dropped, group=ep, dp_group=dp)
+        alone.append(reduce_counts(counts_E, ep, dp_group=dp).wait().tolist())
+    return mon.history()["tokens_per_expert"], alone
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_monitor_counts_over_ep_and_dp_are_the_global_batch(ranks, world_size):
+    """With dp_group the monitor (and reduce_counts) sum over EP x DP: every rank holds the counts of all
+    world_size ranks' tokens (with the EP group alone, it would hold its own EP group's)."""
+    steps, T = 3, 32
+    f = wl.make_workload("zipf", s=1.2)
+    want = [sum((wl.count_tokens(f(T, E, K, seed=100 + r, step=s), E)[0] for r in range(world_size)),
+                torch.zeros(E, dtype=torch.int64)).tolist() for s in range(steps)]
+    for monitored, alone in ranks(world_size).run(_rank_observe_ep_dp, steps, T):
+        assert monitored == want
+        assert alone == [[float(c) for c in row] for row in want]
+
+
 def test_huge_window_is_rejected_before_allocating():
     """A window whose device state would not fit raises at construction, naming window and the bytes."""
-    with pytest.raises(ValueError, match=r"window=10000000000 would need 23,200,000,014,344 bytes .* 256 experts \(2320 bytes per step\)"):
+    expected = r"window=10000000000 would need 23,200,000,014,344 bytes .* 256 experts \(2320 bytes per step\)"
+    with pytest.raises(ValueError, match=expected):
         LoadMonitor(256, window=10 ** 10)
     mon = LoadMonitor(256, window=400_000)  # 0.93 GB of state: allowed, allocated at the first observe
     assert mon.window == 400_000

@@ -5,15 +5,15 @@ Shapes legend: T tokens per rank, H hidden, O outputs, E experts, e = E / EP, N 
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import moe_comm
 
-H, F, E, K, O = 16, 24, 8, 2, 4
+H, F, E, K = 16, 24, 8, 2
+OUT = 4  # O
 
 
 def make_cfg(**kwargs) -> moe_comm.MoEConfig:
@@ -29,7 +29,7 @@ class TinyMoENet(nn.Module):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.inp = nn.Linear(H, H)
-        self.out = nn.Linear(H, O)
+        self.out = nn.Linear(H, OUT)
         with torch.no_grad():
             for p in list(self.inp.parameters()) + list(self.out.parameters()):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
@@ -44,7 +44,7 @@ class TinyMoENet(nn.Module):
 def batch(rank: int, step: int = 0, tokens: int = 12) -> Tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s tokens of step ``step``: x_TH [T, H], y_TO [T, O] (its own data, any process)."""
     g = torch.Generator().manual_seed(7919 * step + 31 * rank + 5)
-    return torch.randn(tokens, H, generator=g), torch.randn(tokens, O, generator=g)
+    return torch.randn(tokens, H, generator=g), torch.randn(tokens, OUT, generator=g)
 
 
 def rank_loss(model: nn.Module, x_TH: torch.Tensor, y_TO: torch.Tensor) -> torch.Tensor:

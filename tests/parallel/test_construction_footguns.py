@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import moe_comm
 
-from ep_dp_model import E, H, batch, grid, make_cfg
+from ep_dp_model import E, batch, grid, make_cfg
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -8,7 +8,6 @@ Also: EP = 1 in one process, a DDP-wrapped model, and ``full_state_dict`` on EP 
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -157,7 +156,8 @@ def test_get_state_dict_at_ep1_in_one_process():
     fresh_opt = torch.optim.Adam(fresh.parameters())
     set_state_dict(fresh, fresh_opt, model_state_dict=msd, optim_state_dict=osd)
     assert torch.equal(fresh.moe.experts.w2, model.moe.experts.w2)
-    assert torch.equal(fresh_opt.state[fresh.moe.experts.w2]["exp_avg_sq"], opt.state[model.moe.experts.w2]["exp_avg_sq"])
+    got, want = fresh_opt.state[fresh.moe.experts.w2], opt.state[model.moe.experts.w2]
+    assert torch.equal(got["exp_avg_sq"], want["exp_avg_sq"]) and torch.equal(got["step"], want["step"])
 
 
 def _rank_full(rank, world_size, rank0_only):
@@ -176,4 +176,5 @@ def test_full_state_dict_lands_on_ep_rank0_only(ranks):
     for keys, w1 in everywhere:
         assert keys == full[0][0]
         for g in range(E):
-            assert torch.equal(w1[f"moe.experts.w1.{g}"], ref[g]) and torch.equal(full[0][1][f"moe.experts.w1.{g}"], ref[g])
+            key = f"moe.experts.w1.{g}"
+            assert torch.equal(w1[key], ref[g]) and torch.equal(full[0][1][key], ref[g])

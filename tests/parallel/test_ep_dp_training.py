@@ -9,6 +9,8 @@ Load statistics (monitor, aux-loss-free bias) must count the global batch, ident
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -165,22 +167,23 @@ def test_check_expert_replicas(ranks):
         assert results[r][1].startswith("RemoteError") and "[1, 3]" in results[r][1], results[r][1]
 
 
-def _rank_global_load(rank, world_size, ep, dp, rate):
-    model = TinyMoENet(make_cfg(), seed=SEED, bias_update_rate=rate, **_layer_groups(ep, dp))
+def _rank_global_load(rank, world_size, ep, dp, rate, monitor):
+    model = TinyMoENet(make_cfg(), seed=SEED, bias_update_rate=rate, monitor=monitor, **_layer_groups(ep, dp))
     x, _ = batch(rank, tokens=10 + 3 * rank)  # uneven batches
     model(x)
     model.moe.finish_bias_update()
-    summary = model.moe.monitor.summary()
-    return summary["total"]["tokens_per_expert"], model.moe.router.expert_bias.clone()
+    totals = model.moe.monitor.summary()["total"]["tokens_per_expert"] if monitor else None
+    return totals, model.moe.router.expert_bias.clone()
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("world_size,ep,dp", [(4, 2, 2), (2, 1, 2)])
-def test_load_statistics_count_the_global_batch(ranks, world_size, ep, dp):
+@pytest.mark.parametrize("world_size,ep,dp,monitor", [(4, 2, 2, True), (4, 2, 2, False), (2, 1, 2, True)])
+def test_load_statistics_count_the_global_batch(ranks, world_size, ep, dp, monitor):
     """Monitor totals and the aux-loss-free bias step come from the tokens of all N ranks, identical on
-    every rank (before: the EP group's tokens only, and a bias that drifted apart across DP replicas)."""
+    every rank (before: the EP group's tokens only, and a bias that drifted apart across DP replicas).
+    monitor=False: the bias update's own reduction (``reduce_counts``)."""
     rate = 1e-3
-    results = ranks(world_size).run(_rank_global_load, ep, dp, rate)
+    results = ranks(world_size).run(_rank_global_load, ep, dp, rate, monitor)
     ref = TinyMoENet(make_cfg(), seed=SEED)
     counts = torch.zeros(E, dtype=torch.int64)
     for r in range(world_size):
@@ -190,5 +193,29 @@ def test_load_statistics_count_the_global_batch(ranks, world_size, ep, dp):
     want_bias = torch.sign(counts.double().mean() - counts.double()).float() * rate
     assert sum(counts.tolist()) == sum(10 + 3 * r for r in range(world_size)) * 2  # every token, K = 2
     for totals, bias in results:
-        assert totals == counts.tolist()
+        assert totals == (counts.tolist() if monitor else None)
         assert torch.equal(bias, want_bias)
+
+
+def _rank_host_reads(rank, world_size):
+    import importlib.util  # tests/modules/test_layer_monitor.py counts host reads and sync-prone ops
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "modules",
+                        "test_layer_monitor.py")
+    spec = importlib.util.spec_from_file_location("_layer_monitor_sync_counts", path)
+    counting = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(counting)
+    _forward_syncs = counting._forward_syncs
+    x, _ = batch(rank, tokens=20)
+    plain = moe_comm.MoELayer(make_cfg(), seed=1, monitor=False, end_check="deferred", ep_group=grid(2, 2))
+    full = moe_comm.MoELayer(make_cfg(), seed=1, monitor=True, bias_update_rate=0.01, end_check="deferred",
+                             ep_group=grid(2, 2))
+    return [(_forward_syncs(plain, x), _forward_syncs(full, x)) for _ in range(2)]
+
+
+@pytest.mark.multirank
+def test_global_load_adds_no_host_sync(ranks):
+    """EP 2 x DP 2: the chained EP then DP reduction of the load adds no host read to the forward (the
+    dispatcher's counts read stays its one)."""
+    for report in ranks(4).run(_rank_host_reads):
+        for (reads_off, ops_off), (reads_on, ops_on) in report:
+            assert reads_on == reads_off == ["tolist"] and ops_on == ops_off, (reads_on, ops_on, reads_off, ops_off)
