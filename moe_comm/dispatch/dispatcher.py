@@ -65,6 +65,9 @@ class Dispatcher:
             measured there: the collective path).
         max_chunks: the largest C a call may use (sizes the fixed control exchange; default
             max(16, num_chunks)).
+        allow_single_process: with ep_group None and torch.distributed not initialised in a process a
+            launcher started as one of several (torchrun's RANK / WORLD_SIZE), run alone anyway (default:
+            raise, such a process would silently not be expert-parallel).
         end_check: when the end-of-forward and end-of-backward exchanges of ``__call__`` are read.
             "eager" (default on CPU): at the end of the phase, so a failure mid-call on any rank raises on
             every rank before any returns (one more host read per phase: free on CPU, a sync on CUDA).
@@ -82,8 +85,8 @@ class Dispatcher:
     def __init__(self, num_experts: int, ep_group: Optional[dist.ProcessGroup] = None, num_chunks=1,
                  *, backend: str = "auto", strict: bool = False, timeout: Optional[float] = None,
                  direct_min_bytes: Optional[int] = None, max_chunks: Optional[int] = None,
-                 end_check: Optional[str] = None):
-        self.group = resolve_group(ep_group)
+                 end_check: Optional[str] = None, allow_single_process: bool = False):
+        self.group = resolve_group(ep_group, name="Dispatcher: ep_group", allow_single_process=allow_single_process)
         self.world_size = group_size(self.group)
         self.rank = group_rank(self.group)
         local_error = None

@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
-import sys
 import weakref
 from contextlib import nullcontext as _nullcontext
 from typing import Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
-import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 from moe_comm._checks import check_bool, check_float, check_tensor
@@ -30,6 +27,7 @@ from moe_comm.config import MoEConfig
 from moe_comm.dispatch.dispatcher import Dispatcher
 from moe_comm.modules.checkpoint import ExpertKeyPath, dcp_fqn_modifiers
 from moe_comm.modules.experts import GroupedExperts, PlacedExperts, SwiGLU, _init_expert_
+from moe_comm.modules.recompute import checkpoint_mode, forget_bias, in_backward, input_key
 from moe_comm.modules.wrappers import data_parallel_error
 from moe_comm.monitor.load import GlobalCounts, LoadMonitor, reduce_counts
 from moe_comm.placement.apply import physical_topk, relayout_slots, replica_tables, sync_replica_grads
@@ -37,45 +35,6 @@ from moe_comm.placement.planner import Placement, plan_placement
 from moe_comm.routing import Router, count_tokens
 
 __all__ = ["MoELayer"]
-
-# torch.utils.checkpoint's frames, to tell how a forward runs (see ``_checkpoint_mode``).
-_REENTRANT_CODE = getattr(getattr(getattr(torch_checkpoint, "CheckpointFunction", None), "forward", None),
-                          "__code__", None)
-_CHECKPOINT_CODE = getattr(inspect.unwrap(torch_checkpoint.checkpoint), "__code__", None)
-
-
-def _checkpoint_mode() -> Optional[str]:
-    """"reentrant" inside the first (no-grad) forward of ``torch.utils.checkpoint.checkpoint(...,
-    use_reentrant=True)``, "non_reentrant" inside the first forward of ``use_reentrant=False``, else None.
-    Found by walking the Python stack for torch's checkpoint frames (innermost wins); the recompute runs
-    from the autograd engine, outside them (``_in_backward`` tells it)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is _REENTRANT_CODE:
-            return "reentrant"
-        if frame.f_code is _CHECKPOINT_CODE:
-            return "non_reentrant"
-        frame = frame.f_back
-    return None
-
-
-def _forget_bias(table: dict, key: tuple, snapshot: torch.Tensor) -> None:
-    """Finalizer of a checkpointed input: its recompute is over (or will never come)."""
-    if table.get(key) is snapshot:
-        del table[key]
-
-
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass on this thread: a forward called then is activation
-    checkpointing's recompute."""
-    return torch._C._current_graph_task_id() != -1
-
-
-def _input_key(x: torch.Tensor) -> tuple:
-    """Identifies x's data across a checkpoint and its recompute (reentrant recomputes from a detached
-    alias of x: the same storage, offset, shape and strides)."""
-    return (x.device, x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), tuple(x.stride()))
-
 
 def _make_monitor(monitor, num_experts: int, num_ranks: int) -> Optional[LoadMonitor]:
     if monitor is None or monitor is False:
@@ -241,7 +200,8 @@ class MoELayer(nn.Module):
         _agree_ep_dp(self.ep_group, self.dp_group, settings, local_error)
         # After the agreement, so that every rank gets here: the Dispatcher's own agreement is collective.
         self.dispatcher = Dispatcher(cfg.num_experts, self.ep_group, cfg.num_chunks, backend=backend,
-                                     strict=strict, timeout=timeout, end_check=end_check)
+                                     strict=strict, timeout=timeout, end_check=end_check,
+                                     allow_single_process=allow_single_process)
         if not self.experts.w1.is_meta:  # meta: reset_parameters() after to_empty() makes them equal
             self._broadcast_replicated()
         self.register_forward_pre_hook(_check_data_parallel_hook)
@@ -462,7 +422,7 @@ class MoELayer(nn.Module):
         old = self.dispatcher
         self.dispatcher = Dispatcher(len(new_p2l), self.ep_group, old.num_chunks, backend=old.backend,
                                      strict=old.strict, timeout=old.timeout, end_check=old.end_check,
-                                     direct_min_bytes=old.direct_min_bytes)
+                                     direct_min_bytes=old.direct_min_bytes, allow_single_process=True)
         self.dispatcher.timeline = old.timeline
         self._replica_slots_EC, self._replica_count_E, self._max_replicas = replica_tables(new_p2l, E, params[0].device)
         self._placement, self._phys_to_logical = placement, new_p2l
@@ -538,16 +498,16 @@ class MoELayer(nn.Module):
         the aux loss keeps its gradient."""
         rebias = self.bias_update_rate > 0 and self.training
         has_aux = self.cfg.aux_loss_coeff > 0 or self.cfg.z_loss_coeff > 0
-        mode = _checkpoint_mode() if self.training and not recompute and (rebias or has_aux) else None
+        mode = checkpoint_mode() if self.training and not recompute and (rebias or has_aux) else None
         bias = None  # None: the router's own expert_bias
         if recompute and rebias:
             # The bias the original forward routed with (a recompute may run more than once: not popped).
             # Not found (another checkpoint implementation): the current bias.
-            bias = self._bias_for_recompute.get(_input_key(x))
+            bias = self._bias_for_recompute.get(input_key(x))
         elif mode is not None and rebias:
-            key, snapshot = _input_key(x), self.router.expert_bias.detach().clone()
+            key, snapshot = input_key(x), self.router.expert_bias.detach().clone()
             self._bias_for_recompute[key] = snapshot
-            weakref.finalize(x, _forget_bias, self._bias_for_recompute, key, snapshot)  # lives as long as x
+            weakref.finalize(x, forget_bias, self._bias_for_recompute, key, snapshot)  # lives as long as x
         own_bias = self.router.expert_bias
         try:
             if bias is not None:
@@ -581,7 +541,7 @@ class MoELayer(nn.Module):
             error = self._check_token_mask(x, token_mask)
         if error is not None:  # every rank raises with it (through the counts exchange): no hang
             self.dispatcher.fail(error, device=self.experts.w1.device)
-        recompute = _in_backward()  # activation checkpointing: this forward already ran once
+        recompute = in_backward()  # activation checkpointing: this forward already ran once
         if not recompute:
             self.finish_bias_update()
         try:

@@ -379,3 +379,13 @@ def test_deferred_end_check_raises_at_the_next_read_on_every_rank(ranks, world_s
             else:  # the forward returned a value (documented), check() raised
                 assert first == "value", (rank, name, first)
                 assert second.startswith("PeerFailed:") and "on purpose" in second, (rank, name, second)
+
+
+def test_dispatcher_launched_without_process_group_raises(monkeypatch):
+    """Tier 1: under torchrun (RANK, WORLD_SIZE > 1) without init_process_group a Dispatcher would silently run
+    alone; it raises unless told allow_single_process=True."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="init_process_group"):
+        moe_comm.Dispatcher(num_experts=4)
+    assert moe_comm.Dispatcher(num_experts=4, allow_single_process=True).world_size == 1
