@@ -309,7 +309,8 @@ def check_expert_replicas(model: nn.Module, group: Optional[dist.ProcessGroup] =
             for k, what in enumerate(("expert ids",) + tuple(f"experts.{w}" for w in _WEIGHTS)):
                 versions: Dict[tuple, List[int]] = {}
                 for r in range(len(ranks)):
-                    versions.setdefault(tuple(table[r, li, 2 * k:2 * k + 2].tolist()), []).append(ranks[r])
+                    key = tuple(table[r, li, 2 * k:2 * k + 2].tolist())  # host sync: opt-in replica check
+                    versions.setdefault(key, []).append(ranks[r])
                 if len(versions) > 1:
                     problems.append(f"layer {name!r} (experts {layer.local_expert_ids}): {what} differs between "
                                     + " and ".join(f"ranks {rs}" for rs in versions.values()))

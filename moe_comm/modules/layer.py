@@ -213,7 +213,7 @@ class MoELayer(nn.Module):
         self.bias_update_rate = float(bias_update_rate)
         self.monitor: Optional[LoadMonitor] = _make_monitor(monitor, cfg.num_experts, W)
         if seed is None:  # a CPU draw (also under ``with torch.device("meta")``): no host sync
-            seed = int(torch.randint(0, 2 ** 62, (), device="cpu").item())
+            seed = int(torch.randint(0, 2 ** 62, (), device="cpu").item())  # host sync: none, CPU draw
         self._seed = seed
         self._expert_keys = ExpertKeyPath()  # torch.distributed.checkpoint resolves experts.w1.<g> through it
         self.router = Router(cfg, device=device, dtype=dtype)

@@ -59,7 +59,7 @@ def _managed_over(wrapper, experts: nn.Module, ddp_cls, fsdp_cls) -> Optional[Li
         # torch 2.13's layout (tests/parallel pins it): a state holds param groups, each a mesh and params.
         for group in getattr(wrapper._get_fsdp_state(), "_fsdp_param_groups", ()):
             if any(fp._module_info.module is experts for fp in group.fsdp_params):
-                return group.mesh_info.mesh.mesh.flatten().tolist()
+                return group.mesh_info.mesh.mesh.flatten().tolist()  # host sync: none, a CPU rank table
         return None
     return None
 

@@ -193,8 +193,9 @@ def profile_rank(rank: int, world_size: int, opts: Dict[str, Any]) -> Optional[D
     alpha, beta = measure_alpha_beta(group, device)
     eta = measure_overlap(group, device, probe)
 
+    per_expert = load_We[rank].tolist()  # host sync: profiling, after the timed steps
     mine = {"rank": rank, "rows_sent": rows_sent, "rows_recv": float(load_We[rank].sum()),
-            "rows_recv_per_expert": load_We[rank].tolist(), "bytes_sent": rows_sent * H * elsize,
+            "rows_recv_per_expert": per_expert, "bytes_sent": rows_sent * H * elsize,
             "bytes_recv": float(load_We[rank].sum()) * H * elsize, **measured, "kappa_s": kappa_s}
     every: List[Optional[Dict[str, Any]]] = [None] * W
     dist.all_gather_object(every, mine, group=group)  # NCCL: pickled into tensors on the current CUDA device
