@@ -12,7 +12,7 @@ routing weights. ``dispatch``/``combine`` are the same steps with C = 1 and user
 from __future__ import annotations
 
 import zlib
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,7 @@ from moe_comm.comm.collectives import group_device, group_rank, group_size, reso
 from moe_comm.comm.wire import HEADER_WORDS, MESSAGE_WORDS, Failure, Phase, Word, dtype_code, header
 from moe_comm.dispatch.autotune import AutoChunker, PipelinePlan, chunk_overhead, now
 from moe_comm.dispatch.plan import ChunkPlan, DispatchHandle, DispatchOutput, build_chunk_plans
-from moe_comm.dispatch.transport import AllToAll, Local, PointToPoint, choose
+from moe_comm.dispatch.transport import choose
 from moe_comm.dispatch.workspace import shared_workspace
 from moe_comm.kernels import BACKENDS, select_backend
 from moe_comm.profiling import Timeline
@@ -456,6 +456,3 @@ class _CombineRows(torch.autograd.Function):
                                                direction="bwd").wait()
         return grad, None, None, None
 
-
-# Re-exported for callers that pick a transport by name (benchmarks).
-TRANSPORTS: Tuple[type, ...] = (Local, AllToAll, PointToPoint)
