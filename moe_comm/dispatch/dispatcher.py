@@ -296,7 +296,8 @@ class Dispatcher:
             raise ValueError(f"expert_out_RH must be [R, H] = [{plan.num_recv}, {handle.hidden_size}] (the rows "
                              f"this handle's dispatch returned), got {tuple(expert_out_RH.shape)}")
         dtype_code(expert_out_RH.dtype)
-        check_weights(topk_weight_TK, handle)
+        lay = handle.layout
+        check_weights(topk_weight_TK, (lay.num_tokens, lay.top_k), lay.dest_row_TK.device)
 
     @_graph_break
     def combine(self, expert_out_RH: torch.Tensor, topk_weight_TK: torch.Tensor,
@@ -395,16 +396,15 @@ class Dispatcher:
         raise error  # not reached: the exchange raises on every rank
 
 
-def check_weights(topk_weight_TK, handle: DispatchHandle) -> None:
-    lay = handle.layout
-    check_tensor("topk_weight_TK", topk_weight_TK, shape=[lay.num_tokens, lay.top_k],
-                 dtypes=(torch.float32, torch.float64, torch.float16, torch.bfloat16), device=lay.dest_row_TK.device)
+def check_weights(topk_weight_TK, shape, device) -> None:
+    """topk_weight_TK: [T, K] float on the tokens' device (the routing's shape)."""
+    check_tensor("topk_weight_TK", topk_weight_TK, shape=list(shape),
+                 dtypes=(torch.float32, torch.float64, torch.float16, torch.bfloat16), device=device)
 
 
 def check_call_args(x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn) -> None:
     """Everything of a pipelined call that can be checked before rows move (folded into its exchange)."""
-    check_tensor("topk_weight_TK", topk_weight_TK, shape=list(topk_idx_TK.shape),
-                 dtypes=(torch.float32, torch.float64, torch.float16, torch.bfloat16), device=x_TH.device)
+    check_weights(topk_weight_TK, topk_idx_TK.shape, x_TH.device)
     if not callable(expert_fn):
         raise TypeError(f"expert_fn must be callable, got {type(expert_fn).__name__}")
     if side_fn is not None and not callable(side_fn):
