@@ -1,373 +1,1393 @@
-"""GPU check: the Triton permutation kernels on CUDA against the torch reference, and their bandwidth.
+"""The one-shot device verdict: moe_comm on one CUDA GPU (sized for an H200, one call of at most 6 minutes),
+or every section's logic on CPU with ``--dry-run-cpu`` (tiny shapes, Triton interpreter, gloo) for CI.
 
-Shapes legend: T tokens, K top-k slots, N routed rows (T*K when nothing is dropped), H hidden size,
-E experts.
+Shapes legend: T tokens, K top-k slots, N routed rows (T*K minus dropped), H hidden size, F expert FFN
+size, E experts, e local experts, R expert-major rows, C pipeline chunks, W ranks.
 
-The one script to run on a CUDA machine (sized for an H200: well under 4 minutes).
-  (a) correctness at realistic shapes, T in {4096, 16384} x H in {2048, 7168} x K in {2, 8} x
-      E in {16, 256} x {bf16, fp32}, routing from ``moe_comm.ops.layout.make_layout``; plus a case with
-      dropped slots and experts without tokens, and one with N*H > 2^31 (int64 offsets).
-      permute (plain and scaled) must be bit-identical to the reference; unpermute (weighted and plain)
-      and the weight gradient must be close (the GPU may fuse multiply-add; the reference does not).
-  (b) bandwidth of permute and of weighted unpermute: bytes read + written / median time
-      (``triton.testing.do_bench``: CUDA events, L2 flushed before each run), next to a device-to-device
-      ``dst.copy_(src)`` moving the same number of bytes; "of copy" is the ratio of the two GB/s.
-  (c) a sweep of the column block (bytes per program) on the largest shapes, to tune
-      ``triton_ops._BLOCK_BYTES``; then a compact table, and JSON with ``--json PATH``.
+Sections, in run order (each in try/except; the JSON file is rewritten after each one):
+  env            versions (python, torch, CUDA, cuDNN, NCCL, triton, moe_comm commit), device capability
+  kernels        Triton permute, scaled permute (bitwise), weighted and plain unpermute, weight grad (close)
+                 vs the torch reference: bf16/fp16/fp32/fp64 and uint8 (permute) at H in {1, 7, 5120, 7168};
+                 dropped slots with NaN weights, empty experts, strided inputs and outputs, NaN/Inf rows, N = 0
+  kernels_int64  N*H > 2^31 (permute) and T*H > 2^31 (unpermute, weight grad): int64 offsets (CUDA only)
+  bandwidth      permute and weighted unpermute GB/s (triton.testing.do_bench: CUDA events, L2 flushed) vs
+                 a device-to-device copy of the same bytes, against --min-of-copy; column-block sweep, each
+                 block size checked bitwise against the default one
+  experts        SwiGLU experts: torch._grouped_mm (where moe_comm uses it: CUDA bf16 sm90/sm100, CPU) vs the
+                 per-expert loop vs float64, forward and every gradient, with empty experts; GroupedExperts
+                 with NaN padding rows (the sync-free dispatch's input)
+  layer          MoELayer on one device (bf16 and fp32 at C in {1, 4}, shared experts, aux + z loss +
+                 capacity, autocast) vs the dense float64 reference (dense_moe): routing, output, aux loss,
+                 every gradient; a second forward and backward must be bit-identical
+  host_syncs     host syncs of one forward and one backward: torch.cuda.set_sync_debug_mode("warn") on CUDA,
+                 moe_comm.testing.syncs.HostSyncs anywhere
+  sync_free      MoEConfig(max_tokens_per_rank=M): no host sync in forward and backward, the dropless
+                 layer's output and gradients
+  nccl_world1    a 1-rank NCCL group in a subprocess: async all_to_all_single, what wait() blocks, a CPU
+                 tensor rejected, Dispatcher and MoELayer on the group (gloo with CPU tensors on the dry run)
+  two_ranks      2 spawned ranks over gloo with CUDA tensors on the one GPU (CPU tensors on the dry run):
+                 MoELayer vs the dense reference, forward and gradients; host syncs at W = 2
+  timeline       the layer's Timeline on CUDA events (host clock on the dry run): spans of every phase and
+                 chunk, overlap report, Chrome trace
+  pytest_gpu     python -m pytest -q -m gpu tests, in a subprocess
 
-Bytes counted: permute reads N*H and writes N*H elements (+ 8 B per row index); unpermute reads N*H,
-writes T*H elements (+ 12 B per slot for index and weight).
+A section is PASS when its checks ran and held, FAIL when one did not or the section raised, NOT COVERED
+(with the reason) when it cannot run here (no CUDA, a missing module or config field, the time budget).
+A section that runs out of --budget seconds is not started: NOT COVERED ("budget").
 
-    python benchmarks/gpu_check.py --json /tmp/gpu_check.json
-    TRITON_INTERPRET=1 python benchmarks/gpu_check.py --dry-run-cpu   # tiny shapes, interpreter, no GPU
+    python benchmarks/gpu_check.py --json /tmp/gpu_check.json            # on the GPU machine
+    python benchmarks/gpu_check.py --dry-run-cpu --json /tmp/dry.json     # CI, no GPU: < 60 s
 
-Exit status: 0 every check passed; 1 a correctness check failed (or raised); 2 no CUDA device (or no
-triton, or kernels interpreted on a CUDA run).
+Exit status: 0 every section PASS or NOT COVERED (with a reason); 1 a section FAILed (or the run hung and
+faulthandler ended it at --budget + 25 s, inside 6 minutes by default: the JSON keeps the finished sections,
+the rest "NOT RUN").
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import datetime
+import faulthandler
 import json
 import os
 import platform
-import statistics
+import re
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional
+import warnings
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+# TRITON_INTERPRET is read when moe_comm.kernels.triton_ops decorates its kernels, at import, and
+# ``import moe_comm`` imports triton: so it is set here, before any moe_comm import (all are below, in
+# functions). Spawned ranks re-run this module with the parent's argv.
+DRY = "--dry-run-cpu" in sys.argv[1:]
+INTERPRET_IGNORED = False
+if DRY:
+    os.environ["TRITON_INTERPRET"] = "1"
+elif os.environ.get("TRITON_INTERPRET", "0") == "1":
+    os.environ["TRITON_INTERPRET"] = "0"  # the interpreter would stand in for the compiled kernels
+    INTERPRET_IGNORED = True
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)  # this checkout's moe_comm, not an installed copy
 
-DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32"}
+PASS, FAIL, NOT_COVERED = "PASS", "FAIL", "NOT COVERED"
+NOT_RUN = "NOT RUN"  # in the JSON until the section ran: a killed run shows where it stopped
+
+# (rtol, atol) of unpermute outputs vs the reference, compared in float64: a GPU may fuse the multiply-add of
+# the fp32 accumulation, and a half-precision result may then differ by 1 ulp.
+UNPERMUTE_TOL = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-12, 1e-12),
+                 torch.bfloat16: (2 ** -7, 1e-5), torch.float16: (2 ** -10, 1e-5)}
+# max |got - want| / max |want| of layers and experts vs float64 on the same rounded weights and inputs.
+# fp32: tests/modules/test_layer_multirank.py's bound. bf16 (and bf16 autocast): every GEMM output rounded to
+# 8 bits of mantissa; the dry run's shapes measured at most 1.0e-2 (grad w3 of the loop, grad w1 under autocast).
+REL_TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 SWEEP_BLOCK_BYTES = (1024, 2048, 4096, 8192, 16384)
+# torch.cuda._sleep cycles that keep a stream busy ~0.2 s at the H200's ~2 GHz: long enough that a wait()
+# that blocked the host shows.
+SLEEP_CYCLES = 400_000_000
 
 
-@dataclass
-class Case:
-    T: int
-    H: int
-    K: int
-    E: int
-    dtype: str  # "bf16" | "fp32"
-    drop: float = 0.0  # fraction of slots dropped (topk_idx = -1)
-    used_experts: Optional[int] = None  # route only to the first few experts: the rest get no rows
-    label: str = ""
-    wide: bool = False  # the int64-offset case: permute + plain unpermute only, no weight grad
+class NotCovered(Exception):
+    """The whole section cannot run here; the message is the reason."""
+
+
+class Record:
+    """The checks and data of one section (or of a child process)."""
+
+    def __init__(self, name: str):
+        self.name, self.checks, self.data = name, [], {}
+
+    def check(self, what: str, ok, detail: str = "") -> bool:
+        ok = bool(ok)
+        self.checks.append({"check": what, "status": PASS if ok else FAIL, "detail": str(detail)})
+        if not ok:
+            print(f"    FAIL {self.name}: {what}: {detail}", flush=True)
+        return ok
+
+    def not_covered(self, what: str, reason: str) -> None:
+        self.checks.append({"check": what, "status": NOT_COVERED, "detail": reason})
+
+    @contextlib.contextmanager
+    def step(self, what: str):
+        """A sub-check that may raise: the exception is a FAIL of ``what``, the section goes on."""
+        try:
+            yield
+        except NotCovered as exc:
+            self.not_covered(what, str(exc))
+        except Exception as exc:  # noqa: BLE001 - any failure of the step is its verdict
+            self.check(what, False, f"raised {type(exc).__name__}: {exc}")
+
+
+@dataclasses.dataclass
+class Ctx:
+    args: argparse.Namespace
+    dry: bool
+    device: torch.device
+    t_start: float
+    tmpdir: str
+    env: Dict = dataclasses.field(default_factory=dict)
 
     @property
-    def name(self) -> str:
-        s = f"T={self.T} H={self.H} K={self.K} E={self.E} {self.dtype}"
-        return s + (f" [{self.label}]" if self.label else "")
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def backend(self) -> str:
+        # Layers and dispatchers: "auto" is Triton on CUDA. The dry run takes the torch kernels: "auto" on
+        # CPU would build the C++ ones on first use (~40 s); the kernels section runs Triton interpreted.
+        return "torch" if self.dry else "auto"
+
+    def left(self) -> float:
+        return self.args.budget - (time.perf_counter() - self.t_start)
+
+    def gen(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
 
 
-@dataclass
-class CaseResult:
-    case: Dict
+@dataclasses.dataclass(frozen=True)
+class Section:
     name: str
-    N: int = 0
-    checks: Dict[str, Dict] = field(default_factory=dict)  # op -> {ok, max_abs_err, detail}
-    bandwidth: Dict[str, Dict] = field(default_factory=dict)  # op -> {ms, gbps, copy_gbps, of_copy}
-    error: Optional[str] = None
+    fn: Callable[[Ctx, Record], None]
+    needs_s: float  # budget left needed to start it (rough, from its shapes; not measured on an H200)
 
-    @property
-    def ok(self) -> bool:
-        return self.error is None and all(c["ok"] for c in self.checks.values())
+
+SECTIONS: List[Section] = []
+
+
+def section(name: str, needs_s: float = 5.0):
+    def register(fn):
+        SECTIONS.append(Section(name, fn, needs_s))
+        return fn
+    return register
+
+
+# ======================================================================================= comparisons
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The same bytes as integers: a bitwise comparison that sees NaN payloads and signed zeros."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def compare_bits(got: torch.Tensor, want: torch.Tensor, nan_equal: bool = False) -> Tuple[bool, str]:
+    """Bit-identical (``nan_equal``: any NaN matches any NaN, for results of arithmetic on NaN)."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return False, f"got {tuple(got.shape)} {got.dtype}, expected {tuple(want.shape)} {want.dtype}"
+    a, b = got.contiguous(), want.contiguous()
+    differ = bits(a) != bits(b)
+    if nan_equal and a.is_floating_point():
+        differ &= ~(torch.isnan(a) & torch.isnan(b))
+    n = int(differ.sum())
+    return n == 0, "bitwise" if n == 0 else f"{n} of {a.numel()} elements differ"
+
+
+def compare_close(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> Tuple[bool, str]:
+    """|got - want| <= atol + rtol |want| elementwise in float64, NaN where want is NaN, the same infinities.
+    In chunks of 2^26 elements (float64 copies of 512 MiB at most: wide cases hold 2^31 elements)."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return False, f"got {tuple(got.shape)} {got.dtype}, expected {tuple(want.shape)} {want.dtype}"
+    a_all, b_all = got.reshape(-1), want.reshape(-1)
+    step, max_err, bad = 1 << 26, 0.0, 0
+    for i in range(0, a_all.numel(), step):
+        a, b = a_all[i:i + step].double(), b_all[i:i + step].double()
+        finite = torch.isfinite(a) & torch.isfinite(b)
+        diff = torch.where(finite, (a - b).abs(), torch.zeros_like(a))
+        ok = torch.where(finite, diff <= atol + rtol * b.abs(), (torch.isnan(a) & torch.isnan(b)) | (a == b))
+        bad += int((~ok).sum())
+        max_err = max(max_err, float(diff.max()))
+    return bad == 0, f"max abs err {max_err:.2e}, {bad} elements outside rtol={rtol:g} atol={atol:g}"
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want| in float64 (the floor 1e-6 for a reference that is 0)."""
+    if got.shape != want.shape:
+        return float("inf")
+    if want.numel() == 0:
+        return 0.0
+    a, b = got.detach().double(), want.detach().double().to(got.device)
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-6))
+
+
+def check_rel(rec: Record, what: str, got, want, tol: float) -> bool:
+    err = rel_err(got, want)
+    return rec.check(what, err <= tol, f"rel err {err:.2e} (tol {tol:g})")
+
+
+@contextlib.contextmanager
+def cuda_sync_warnings(out: List[str]):
+    """Appends to ``out`` every synchronizing CUDA call of the block, as 'file:line' of the Python caller
+    (torch.cuda.set_sync_debug_mode("warn") makes each one a warning)."""
+    prev = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield out
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            out.append(f"{os.path.relpath(w.filename, REPO_ROOT)}:{w.lineno}")
+
+
+def host_syncs_class():
+    """moe_comm.testing.syncs.HostSyncs, or None when this checkout does not have it."""
+    try:
+        from moe_comm.testing.syncs import HostSyncs
+    except ImportError:
+        return None
+    return HostSyncs
+
+
+def count_syncs(fn: Callable[[], object], how: str) -> Tuple[object, List[str]]:
+    """(fn(), the host syncs it made): how = "cuda" (sync debug mode) or "hostsyncs" (HostSyncs.events)."""
+    if how == "cuda":
+        events: List[str] = []
+        with cuda_sync_warnings(events):
+            out = fn()
+        return out, events
+    with host_syncs_class()() as s:
+        out = fn()
+    return out, [str(e) for e in s.events]
+
+
+# ======================================================================================= layer helpers
+def layer_data(cfg, T: int, seed: int) -> Dict:
+    """Float64 data of one layer case on CPU (x, router and expert weights, shared experts, output grad),
+    the same in every process for a seed."""
+    g = torch.Generator().manual_seed(seed)
+    E, H, F = cfg.num_experts, cfg.hidden_size, cfg.ffn_hidden_size
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
+
+    d = {"x": randn(T, H), "rw": randn(E, H, scale=H ** -0.5), "w1": randn(E, F, H, scale=H ** -0.5),
+         "w3": randn(E, F, H, scale=H ** -0.5), "w2": randn(E, H, F, scale=F ** -0.5), "shared": None}
+    Fs = cfg.shared_ffn_size
+    if Fs:
+        d["shared"] = (randn(Fs, H, scale=H ** -0.5), randn(Fs, H, scale=H ** -0.5), randn(H, Fs, scale=Fs ** -0.5))
+    d["gy"] = randn(T, H)
+    return d
+
+
+@torch.no_grad()
+def load_layer(layer, d: Dict, rank: int = 0, world_size: int = 1) -> None:
+    """The case's weights into a layer (this rank's experts g in [rank * e, (rank + 1) * e))."""
+    e = layer.cfg.num_experts // world_size
+    local = slice(rank * e, (rank + 1) * e)
+    layer.router.weight.copy_(d["rw"])
+    layer.experts.w1.copy_(d["w1"][local])
+    layer.experts.w3.copy_(d["w3"][local])
+    layer.experts.w2.copy_(d["w2"][local])
+    if d["shared"] is not None:
+        for p, v in zip((layer.shared_experts.w1, layer.shared_experts.w3, layer.shared_experts.w2), d["shared"]):
+            p.copy_(v)
+
+
+def run_layer(layer, x_TH: torch.Tensor, gy_TH: torch.Tensor, autocast: Optional[torch.dtype] = None) -> Dict:
+    """One forward and backward of loss = sum(y * gy) + aux_loss: y, aux, the routing, every gradient."""
+    layer.zero_grad(set_to_none=True)
+    x = x_TH.detach().clone().requires_grad_(True)
+    amp = torch.autocast(x.device.type, dtype=autocast) if autocast else contextlib.nullcontext()
+    with amp:
+        y, routing = layer(x, return_routing=True)
+    aux = layer.aux_loss
+    ((y.double() * gy_TH).sum() + aux.double()).backward()
+    # copies: a later backward accumulates into the same .grad tensors in place
+    out = {"y": y.detach().clone(), "aux": float(aux.detach()), "topk": routing.topk_idx_TK.detach().clone(),
+           "x": x.grad, "router": layer.router.weight.grad.clone()}
+    for name in ("w1", "w3", "w2"):
+        p = getattr(layer.experts, name)
+        out[name] = torch.zeros_like(p) if p.grad is None else p.grad.clone()
+    if layer.shared_experts is not None:
+        out["shared"] = torch.cat([p.grad.reshape(-1) for p in layer.shared_experts.parameters()])
+    return out
+
+
+def dense_reference(d: Dict, cfg, tokens_per_rank: List[int], x_dtype: torch.dtype, w_dtype: torch.dtype,
+                    device: torch.device) -> Dict:
+    """The float64 oracle on the values the layer holds (x and weights rounded to their dtypes): routing,
+    capacity and the aux loss per rank (its own tokens); gradients of sum(y * gy) + sum of aux."""
+    from moe_comm.testing.reference import dense_moe
+
+    def leaf(t, dtype):
+        return t.to(dtype).double().to(device).requires_grad_(True)
+
+    x = leaf(d["x"], x_dtype)
+    rw, w1, w3, w2 = (leaf(d[k], w_dtype) for k in ("rw", "w1", "w3", "w2"))
+    shared = None if d["shared"] is None else [leaf(t, w_dtype) for t in d["shared"]]
+    ys, idxs, aux, start = [], [], 0.0, 0
+    for T_r in tokens_per_rank:
+        y_r, aux_r, idx_r = dense_moe(x[start:start + T_r], rw, w1, w3, w2, cfg, shared=shared)
+        ys.append(y_r)
+        idxs.append(idx_r)
+        aux = aux + aux_r
+        start += T_r
+    y = torch.cat(ys)
+    ((y * d["gy"].to(device)).sum() + aux).backward()
+    out = {"y": y.detach(), "aux": float(torch.as_tensor(aux).detach()), "topk": torch.cat(idxs), "x": x.grad,
+           "router": rw.grad,
+           "w1": w1.grad, "w3": w3.grad, "w2": w2.grad}
+    if shared is not None:
+        out["shared"] = torch.cat([p.grad.reshape(-1) for p in shared])
+    return out
+
+
+def compare_layer(rec: Record, label: str, got: Dict, ref: Dict, tol: float) -> None:
+    """Routing equal, then output, aux loss and every gradient within ``tol`` of the oracle."""
+    differ = int((got["topk"].cpu() != ref["topk"].cpu()).any(1).sum())
+    rec.check(f"{label}: routing equals the reference", differ == 0, f"{differ} tokens routed differently")
+    check_rel(rec, f"{label}: output", got["y"], ref["y"], tol)
+    aux_err = abs(got["aux"] - ref["aux"])
+    rec.check(f"{label}: aux loss", aux_err <= tol * max(1.0, abs(ref["aux"])),
+              f"{got['aux']:.6g} vs {ref['aux']:.6g}")
+    for name in ("x", "router", "w1", "w3", "w2", "shared"):
+        if name in ref:
+            check_rel(rec, f"{label}: grad {name}", got[name], ref[name], tol)
+
+
+# ======================================================================================= sections
+@section("env", needs_s=1)
+def sec_env(ctx: Ctx, rec: Record) -> None:
+    """Versions and capability; the Triton kernels compiled (CUDA) or interpreted (dry run)."""
+    import torch.distributed as dist
+    import triton
+
+    import moe_comm
+    from moe_comm.kernels import select_backend, triton_ops
+
+    info = {"python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
+            "torch_cuda": torch.version.cuda, "triton": triton.__version__, "moe_comm": moe_comm.__version__,
+            "dry_run": ctx.dry, "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"),
+            "TRITON_INTERPRET_ignored": INTERPRET_IGNORED}
+    try:
+        git = ["git", "-C", REPO_ROOT]
+        info["commit"] = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                        timeout=10).stdout.strip()
+        info["dirty"] = bool(subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"],
+                                            capture_output=True, text=True, timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError) as exc:
+        info["commit"] = f"unknown ({exc})"
+    rec.data.update(info)
+    ctx.env.update(info)
+    rec.check("triton importable", triton_ops.available())
+    if ctx.dry:
+        rec.check("Triton kernels interpreted on CPU (TRITON_INTERPRET=1)", triton_ops._interpreting())
+        rec.check("backend 'triton' on CPU tensors selects the Triton kernels",
+                  select_backend("triton", "cpu") is triton_ops)
+        rec.not_covered("CUDA device and capability", "dry run on CPU")
+        return
+    if not rec.check("CUDA device visible", torch.cuda.is_available(),
+                     "torch.cuda.is_available() is False: run on the GPU machine, or use --dry-run-cpu"):
+        return
+    props = torch.cuda.get_device_properties(0)
+    cap = torch.cuda.get_device_capability(0)
+    nccl = torch.cuda.nccl.version() if dist.is_nccl_available() else None  # a tuple in torch 2.x
+    dev = {"device": props.name, "capability": f"{cap[0]}.{cap[1]}", "sms": props.multi_processor_count,
+           "memory_gib": round(props.total_memory / 2 ** 30, 1), "device_count": torch.cuda.device_count(),
+           "cudnn": torch.backends.cudnn.version(),
+           "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl}
+    try:
+        dev["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                       capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        dev["driver"] = None
+    rec.data.update(dev)
+    ctx.env.update(dev)
+    print(f"    {dev['device']} sm{cap[0]}{cap[1]} {dev['memory_gib']} GiB | torch {torch.__version__} "
+          f"CUDA {torch.version.cuda} NCCL {dev['nccl']} | triton {triton.__version__} | moe_comm {info['commit']}")
+    rec.check("Triton kernels compiled, not interpreted", not triton_ops._interpreting(),
+              "TRITON_INTERPRET=1 was set before triton was imported")
+    rec.check("backend 'auto' on CUDA selects the Triton kernels", select_backend("auto", "cuda") is triton_ops)
+    rec.check("NCCL available", dist.is_nccl_available())
+    if cap < (9, 0):
+        rec.not_covered("sm90 (torch._grouped_mm)", f"capability {cap[0]}.{cap[1]}")
+
+
+# ------------------------------------------------------------------------------- kernels
+KERNEL_DTYPES = (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32),
+                 ("fp64", torch.float64), ("uint8", torch.uint8))
+
+
+def routing(ctx: Ctx, T: int, K: int, E: int, *, drop: float = 0.0, used_experts: Optional[int] = None,
+            seed: int = 0):
+    """(token_N, row_TK) of a random top-K routing from ``ops.make_layout``; experts >= used_experts get no
+    rows, a fraction ``drop`` of the slots is dropped (-1)."""
+    from moe_comm import ops
+
+    g = ctx.gen(seed)
+    scores_TE = torch.rand(T, E, generator=g, device=ctx.device)
+    if used_experts is not None:
+        scores_TE[:, used_experts:] = -1.0
+    topk_idx_TK = scores_TE.topk(K, dim=1).indices
+    if drop:
+        topk_idx_TK[torch.rand(T, K, generator=g, device=ctx.device) < drop] = -1
+        topk_idx_TK[0, -1] = -1  # at least one, whatever the draw
+    layout = ops.make_layout(topk_idx_TK, num_experts=E, backend="torch")
+    return layout.token_N, layout.dest_row_TK  # token_N reads N: a host sync, outside any timing
+
+
+def payload(ctx: Ctx, shape, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = ctx.gen(seed)
+    if dtype == torch.uint8:  # raw bytes, e.g. fp8 rows viewed as uint8
+        return torch.randint(0, 256, shape, generator=g, device=ctx.device, dtype=torch.uint8)
+    return torch.randn(shape, generator=g, device=ctx.device).to(dtype)
+
+
+def slot_weights(ctx: Ctx, row_TK: torch.Tensor, seed: int) -> torch.Tensor:
+    """Random fp32 weights, NaN on dropped slots: a kernel that reads a dropped slot's weight shows it."""
+    w_TK = torch.rand(row_TK.shape, generator=ctx.gen(seed), device=ctx.device)
+    return torch.where(row_TK >= 0, w_TK, torch.full_like(w_TK, float("nan")))
+
+
+def kernel_ops(ctx: Ctx, rec: Record, label: str, x_TH, token_N, row_TK, seed: int, out_NH=None, out_TH=None):
+    """Every kernel on one routing: permute (plain and scaled) bitwise; weighted and plain unpermute and the
+    weight gradient close to the reference. Integer payloads: permute only."""
+    from moe_comm.kernels import reference, triton_ops
+
+    dense_TH = x_TH.contiguous()
+    x_NH = triton_ops.permute_rows(x_TH, token_N, out=out_NH)
+    rec.check(f"{label}: permute", *compare_bits(x_NH, reference.permute_rows(dense_TH, token_N)))
+    if not x_TH.is_floating_point():
+        return
+    N, H = x_NH.shape
+    scale_N = torch.rand(N, generator=ctx.gen(seed + 1), device=ctx.device) * 2
+    rec.check(f"{label}: permute*scale", *compare_bits(triton_ops.permute_rows(x_TH, token_N, scale_N),
+                                                        reference.permute_rows(dense_TH, token_N, scale_N),
+                                                        nan_equal=True))
+    rtol, atol = UNPERMUTE_TOL[x_TH.dtype]
+    w_TK = slot_weights(ctx, row_TK, seed + 2)
+    dense_NH = x_NH.contiguous()
+    rec.check(f"{label}: unpermute*w", *compare_close(triton_ops.unpermute_rows(x_NH, row_TK, w_TK, out=out_TH),
+                                                       reference.unpermute_rows(dense_NH, row_TK, w_TK), rtol, atol))
+    rec.check(f"{label}: unpermute", *compare_close(triton_ops.unpermute_rows(x_NH, row_TK),
+                                                     reference.unpermute_rows(dense_NH, row_TK), rtol, atol))
+    grad_TH = payload(ctx, (row_TK.shape[0], H), x_TH.dtype, seed + 3)
+    rtol_g, atol_g = (1e-10, 1e-10 * max(H, 1)) if x_TH.dtype == torch.float64 else (1e-4, 1e-6 * max(H, 1))
+    rec.check(f"{label}: weight grad", *compare_close(triton_ops.unpermute_weight_grad(grad_TH, x_NH, row_TK),
+                                                       reference.unpermute_weight_grad(grad_TH, dense_NH, row_TK),
+                                                       rtol_g, atol_g))
+
+
+@section("kernels", needs_s=30)
+def sec_kernels(ctx: Ctx, rec: Record) -> None:
+    """Triton kernels vs the torch reference over dtypes x H, then the edge cases at one wide H."""
+    # The interpreter runs every program in Python (~0.1 s per launch at T = 16, K = 2): the dry run keeps H small
+    # and adds one H of two bf16 column blocks (2048 columns each) for the masked tail.
+    T, K, E = (2048, 8, 64) if ctx.cuda else (8, 2, 8)
+    Hs = (1, 7, 5120, 7168) if ctx.cuda else (1, 7)
+    token_N, row_TK = routing(ctx, T, K, E, drop=0.05, seed=1)
+    seed = 10
+    for name, dtype in KERNEL_DTYPES:
+        for H in Hs:
+            with rec.step(f"{name} H={H}"):
+                kernel_ops(ctx, rec, f"{name} H={H}", payload(ctx, (T, H), dtype, seed), token_N, row_TK, seed)
+            seed += 10
+    if not ctx.cuda:
+        with rec.step("bf16 H=2100"):
+            kernel_ops(ctx, rec, "bf16 H=2100", payload(ctx, (T, 2100), torch.bfloat16, seed), token_N, row_TK, seed)
+    # Edge cases (CUDA: H = 7168, 4 column blocks of bf16, 7 of fp32)
+    Hm = 7168 if ctx.cuda else 40
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        with rec.step(f"{name} dropped + empty experts"):
+            used = E // 4
+            tok_N, r_TK = routing(ctx, T, K, E, drop=0.2, used_experts=used, seed=seed)
+            kernel_ops(ctx, rec, f"{name} H={Hm} 20% dropped, {E - used} of {E} experts empty",
+                       payload(ctx, (T, Hm), dtype, seed), tok_N, r_TK, seed)
+        N = token_N.numel()
+        with rec.step(f"{name} strided"):
+            big = payload(ctx, (T, Hm + 24), dtype, seed + 1)
+            x_rows = big[:, 8:8 + Hm]  # row stride H + 24, dense columns: the kernel reads it in place
+            out_rows = torch.empty(N, Hm + 8, dtype=dtype, device=ctx.device)[:, :Hm]
+            out_cols = torch.empty(T, 2 * Hm, dtype=dtype, device=ctx.device)[:, ::2]  # staged through a copy
+            kernel_ops(ctx, rec, f"{name} H={Hm} row-strided x and out", x_rows, token_N, row_TK, seed + 2,
+                       out_NH=out_rows, out_TH=out_cols)
+            x_cols = payload(ctx, (T, 2 * Hm), dtype, seed + 3)[:, ::2]  # column stride 2: copied to dense
+            kernel_ops(ctx, rec, f"{name} H={Hm} column-strided x", x_cols, token_N, row_TK, seed + 4)
+        with rec.step(f"{name} NaN/Inf"):
+            x = payload(ctx, (T, Hm), dtype, seed + 5)
+            x[0, :3] = float("nan")
+            x[1, 1] = float("inf")
+            x[2, -1] = float("-inf")
+            kernel_ops(ctx, rec, f"{name} H={Hm} NaN/Inf rows", x, token_N, row_TK, seed + 6)
+        with rec.step(f"{name} N = 0, T = 0"):
+            none_N = torch.empty(0, dtype=torch.int64, device=ctx.device)
+            kernel_ops(ctx, rec, f"{name} every slot dropped", payload(ctx, (T, Hm), dtype, seed + 7), none_N,
+                       torch.full((T, K), -1, dtype=torch.int64, device=ctx.device), seed + 7)
+            kernel_ops(ctx, rec, f"{name} T=0", payload(ctx, (0, Hm), dtype, seed + 8), none_N,
+                       torch.empty(0, K, dtype=torch.int64, device=ctx.device), seed + 8)
+        seed += 20
+
+
+@section("kernels_int64", needs_s=20)
+def sec_kernels_int64(ctx: Ctx, rec: Record) -> None:
+    """Row offsets beyond 2^31 elements: permute with N*H > 2^31, unpermute and weight grad with T*H > 2^31."""
+    if not ctx.cuda:
+        raise NotCovered("needs tensors of more than 2^31 elements (4 GiB each in bf16): CUDA only")
+    from moe_comm.kernels import reference, triton_ops
+
+    if torch.cuda.get_device_properties(0).total_memory < 60 * 2 ** 30:
+        raise NotCovered("needs ~40 GiB of GPU memory")
+    T, K, H = 8192, 4, 65600  # N*H = 2,149,580,800 > 2^31
+    dev = ctx.device
+    token_N = torch.arange(T * K, device=dev).flip(0) // K
+    x_TH = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+    x_NH = triton_ops.permute_rows(x_TH, token_N)
+    rec.check(f"permute N*H = {T * K * H} > 2^31", torch.equal(bits(x_NH[-1]), bits(x_TH[0]))
+              and torch.equal(bits(x_NH[0]), bits(x_TH[-1])), "first and last rows")
+    rec.check("permute N*H > 2^31 vs reference", *compare_bits(x_NH, reference.permute_rows(x_TH, token_N)))
+    ms = bench_ms(ctx, lambda: triton_ops.permute_rows(x_TH, token_N, out=x_NH))
+    rec.data["permute_wide_gbps"] = (2 * x_NH.numel() * 2 + 8 * T * K) / (ms * 1e-3) / 1e9
+    # unpermute of the same rows with K = 1: T2 = 32768 tokens, T2*H > 2^31, reversed rows, random weights
+    T2 = T * K
+    row_TK = torch.arange(T2, device=dev).flip(0).reshape(T2, 1)
+    w_TK = torch.rand(T2, 1, device=dev)
+    y_TH = triton_ops.unpermute_rows(x_NH, row_TK, w_TK)
+    rec.check(f"unpermute*w T*H = {T2 * H} > 2^31",
+              *compare_close(y_TH, reference.unpermute_rows(x_NH, row_TK, w_TK), 2 ** -7, 1e-5))
+    rec.check("weight grad T*H > 2^31", *compare_close(triton_ops.unpermute_weight_grad(y_TH, x_NH, row_TK),
+                                                        reference.unpermute_weight_grad(y_TH, x_NH, row_TK),
+                                                        1e-4, 1e-6 * H))
+
+
+# ------------------------------------------------------------------------------- bandwidth
+def bench_ms(ctx: Ctx, fn: Callable[[], object]) -> float:
+    """Median milliseconds of ``fn``: do_bench on CUDA (CUDA events, L2 flushed); on the dry run the wall
+    time of one call after a warm-up one (interpreted launches: the number only shows the path runs)."""
+    if ctx.cuda:
+        import triton.testing
+        return float(triton.testing.do_bench(fn, warmup=10, rep=50, quantiles=[0.5, 0.2, 0.8])[0])
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+class CopyBandwidth:
+    """GB/s of ``dst.copy_(src)`` moving ``nbytes`` in all (half read, half written), measured once per size."""
+
+    def __init__(self, ctx: Ctx):
+        self.ctx, self.cache = ctx, {}
+
+    def __call__(self, nbytes: int) -> float:
+        half = max(nbytes // 2, 1)
+        if half not in self.cache:
+            src = torch.ones(half, dtype=torch.uint8, device=self.ctx.device)
+            dst = torch.empty_like(src)
+            self.cache[half] = 2 * half / (bench_ms(self.ctx, lambda: dst.copy_(src)) * 1e-3) / 1e9
+        return self.cache[half]
+
+
+def bandwidth_case(ctx: Ctx, rec: Record, copy_gbps: CopyBandwidth, shape, seed: int, sweep: bool):
+    """(rows, sweep rows) of one shape: permute and weighted unpermute into reused buffers; with ``sweep``,
+    every column block size, checked bitwise against the default one."""
+    from moe_comm.kernels import triton_ops
+
+    T, H, K, E, dtype = shape
+    name = f"T={T} H={H} K={K} E={E} {str(dtype)[6:]}"
+    token_N, row_TK = routing(ctx, T, K, E, seed=seed)
+    N = token_N.numel()
+    x_TH = payload(ctx, (T, H), dtype, seed + 1)
+    w_TK = torch.rand(T, K, generator=ctx.gen(seed + 2), device=ctx.device)
+    x_NH = triton_ops.permute_rows(x_TH, token_N)
+    out_NH, out_TH = torch.empty_like(x_NH), torch.empty_like(x_TH)
+    es = x_TH.element_size()
+    nbytes = {"permute": 2 * N * H * es + 8 * N, "unpermute*w": N * H * es + T * H * es + 12 * T * K}
+    launch = {"permute": lambda: triton_ops.permute_rows(x_TH, token_N, out=out_NH),
+              "unpermute*w": lambda: triton_ops.unpermute_rows(x_NH, row_TK, w_TK, out=out_TH)}
+    rows = []
+    for op, fn in launch.items():
+        ms = bench_ms(ctx, fn)
+        gbps, cg = nbytes[op] / (ms * 1e-3) / 1e9, copy_gbps(nbytes[op])
+        rows.append({"case": name, "op": op, "ms": ms, "bytes": nbytes[op], "gbps": gbps, "copy_gbps": cg,
+                     "of_copy": gbps / cg})
+        rec.check(f"{name} {op}: timed", 0 < gbps < float("inf"), f"{ms:.4f} ms")
+        if ctx.cuda:
+            rec.check(f"{name} {op}: >= {ctx.args.min_of_copy:g} of copy", gbps / cg >= ctx.args.min_of_copy,
+                      f"{gbps:.0f} GB/s, copy {cg:.0f} GB/s ({gbps / cg:.2f})")
+    sweep_rows = []
+    if not sweep:
+        return rows, sweep_rows
+    p_ref, u_ref = triton_ops.permute_rows(x_TH, token_N), triton_ops.unpermute_rows(x_NH, row_TK, w_TK)
+    seen = set()
+    for block_bytes in SWEEP_BLOCK_BYTES:
+        config = triton_ops._block_config(H, es, block_bytes)
+        if config in seen:  # H below the block: the same launch as a smaller block_bytes
+            continue
+        seen.add(config)
+        blocked = {"permute": lambda b=block_bytes: triton_ops._launch_permute(x_TH, token_N, None, out_NH, b),
+                   "unpermute*w": lambda b=block_bytes: triton_ops._launch_unpermute(x_NH, row_TK, w_TK, out_TH, b)}
+        for fn in blocked.values():
+            fn()
+        rec.check(f"{name} block {block_bytes} B: permute bitwise", *compare_bits(out_NH, p_ref))
+        rec.check(f"{name} block {block_bytes} B: unpermute bitwise", *compare_bits(out_TH, u_ref))
+        row = {"case": name, "block_bytes": block_bytes, "BLOCK_H": config[0], "num_warps": config[1]}
+        for op, fn in blocked.items():
+            gbps = nbytes[op] / (bench_ms(ctx, fn) * 1e-3) / 1e9
+            row[f"{op}_gbps"], row[f"{op}_of_copy"] = gbps, gbps / copy_gbps(nbytes[op])
+        sweep_rows.append(row)
+    return rows, sweep_rows
+
+
+@section("bandwidth", needs_s=25)
+def sec_bandwidth(ctx: Ctx, rec: Record) -> None:
+    """GB/s of permute and weighted unpermute into reused buffers, next to dst.copy_(src) of the same bytes.
+    Bytes: permute reads and writes N*H elements (+ 8 B per row index); unpermute reads N*H and writes T*H
+    elements (+ 12 B per slot for index and weight). The column-block sweep runs on the first two shapes."""
+    from moe_comm.kernels import triton_ops
+
+    shapes = [(16384, 7168, 8, 256, torch.bfloat16), (16384, 7168, 8, 256, torch.float32),
+              (4096, 2048, 8, 256, torch.bfloat16), (8192, 5120, 8, 128, torch.bfloat16)] if ctx.cuda else \
+        [(8, 40, 2, 4, torch.bfloat16), (8, 40, 2, 4, torch.float32)]
+    copy_gbps, rows, sweep = CopyBandwidth(ctx), [], []
+    for i, shape in enumerate(shapes):
+        r, s = bandwidth_case(ctx, rec, copy_gbps, shape, seed=100 + 10 * i, sweep=i < 2)
+        rows += r
+        sweep += s
+    rec.data.update(bandwidth=rows, sweep=sweep, block_bytes=triton_ops._BLOCK_BYTES)
+    for r in rows:
+        print(f"    {r['case']:<34} {r['op']:<12} {r['gbps']:8.1f} GB/s  copy {r['copy_gbps']:8.1f}  "
+              f"{r['of_copy']:.2f}")
+    best = {}
+    for s in sweep:
+        score = s["permute_gbps"] + s["unpermute*w_gbps"]
+        if s["case"] not in best or score > best[s["case"]][0]:
+            best[s["case"]] = (score, s["block_bytes"])
+    rec.data["best_block_bytes"] = {k: v[1] for k, v in best.items()}
+    print(f"    column-block sweep, fastest block_bytes (now {triton_ops._BLOCK_BYTES}): "
+          + ", ".join(f"{k}: {v[1]}" for k, v in best.items()))
+    if not ctx.cuda:
+        rec.not_covered("bandwidth floor", "interpreter timings on CPU say nothing about the GPU")
+
+
+# ------------------------------------------------------------------------------- experts
+@section("experts", needs_s=5)
+def sec_experts(ctx: Ctx, rec: Record) -> None:
+    """The SwiGLU experts' paths vs float64 on the same rounded values, forward and the gradients of x, w1, w3,
+    w2, with experts that receive no rows: torch._grouped_mm (where ``_use_grouped_mm`` holds: CUDA bf16
+    sm90+, CPU), the per-expert loop, the grouped path against the loop, and GroupedExperts.forward plain
+    and with NaN padding rows (the sync-free dispatch's input)."""
+    from moe_comm.modules.experts import GroupedExperts, _GroupedSwiGLU, _LoopSwiGLU, _use_grouped_mm, swiglu
+
+    if ctx.cuda:
+        e, H, F, counts = 8, 2048, 1408, [2048, 0, 1500, 1, 3000, 0, 643, 1000]
+        dtypes = (torch.bfloat16, torch.float32)
+    else:
+        e, H, F, counts = 4, 16, 24, [7, 0, 1, 12]
+        dtypes = (torch.float32, torch.bfloat16)
+    R, pad = sum(counts), 5
+    g = torch.Generator().manual_seed(7)
+    x64 = torch.randn(R, H, generator=g, dtype=torch.float64)
+    w64 = [torch.randn(e, F, H, generator=g, dtype=torch.float64) * H ** -0.5,
+           torch.randn(e, F, H, generator=g, dtype=torch.float64) * H ** -0.5,
+           torch.randn(e, H, F, generator=g, dtype=torch.float64) * F ** -0.5]
+    gy64 = torch.randn(R, H, generator=g, dtype=torch.float64).to(ctx.device)
+    names = ("x", "w1", "w3", "w2")
+    tpe_e = torch.tensor(counts, dtype=torch.int64, device=ctx.device)
+
+    for dtype in dtypes:
+        dn, tol = str(dtype)[6:], REL_TOL[dtype]
+        leaves = [t.to(dtype).double().to(ctx.device).requires_grad_(True) for t in [x64] + w64]
+        y_ref, start = torch.zeros(R, H, dtype=torch.float64, device=ctx.device), 0
+        for i, n in enumerate(counts):
+            y_ref[start:start + n] = swiglu(leaves[0][start:start + n], leaves[1][i], leaves[2][i], leaves[3][i])
+            start += n
+        (y_ref * gy64).sum().backward()
+        ref = {"y": y_ref.detach(), **{k: t.grad for k, t in zip(names, leaves)}}
+
+        def run(fn, label, pad_rows=0, ref=ref, dtype=dtype, dn=dn, tol=tol):
+            """fn(x, w1, w3, w2) on R rows (+ pad_rows NaN rows): forward and gradients vs ``ref``. fn returns
+            y, or (y, the four tensors whose .grad are the gradients of x, w1, w3, w2)."""
+            x = x64.to(dtype).to(ctx.device)
+            if pad_rows:
+                x = torch.cat([x, torch.full((pad_rows, H), float("nan"), dtype=dtype, device=ctx.device)])
+            ins = [x.requires_grad_(True)] + [w.to(dtype).to(ctx.device).requires_grad_(True) for w in w64]
+            y, leaves = (lambda r: r if isinstance(r, tuple) else (r, ins))(fn(*ins))
+            gy = torch.cat([gy64, torch.ones(pad_rows, H, dtype=torch.float64, device=ctx.device)]) if pad_rows \
+                else gy64
+            y.backward(gy.to(dtype))
+            got = {"y": y.detach()[:R], **{k: t.grad for k, t in zip(names, leaves)}}
+            if pad_rows:
+                rec.check(f"{label} {dn}: padding rows give 0 output and 0 input gradient",
+                          bool((y.detach()[R:] == 0).all()) and bool((got["x"][R:] == 0).all()))
+                got["x"] = got["x"][:R]
+            for k in ("y",) + names:
+                what = "output" if k == "y" else f"grad {k}"
+                check_rel(rec, f"{label} {dn}: {what} vs float64", got[k], ref[k], tol)
+            return got
+
+        with rec.step(f"loop {dn}"):
+            loop = run(lambda x, w1, w3, w2: _LoopSwiGLU.apply(x, w1, w3, w2, counts), "loop")
+        probe = [t.to(dtype).to(ctx.device) for t in [x64] + w64]
+        if _use_grouped_mm(*probe):
+            with rec.step(f"grouped_mm {dn}"):
+                got = run(lambda x, w1, w3, w2: _GroupedSwiGLU.apply(x, w1, w3, w2, tpe_e, False), "grouped_mm")
+                for k in ("y",) + names:
+                    check_rel(rec, f"grouped_mm vs loop {dn}: {k}", got[k], loop[k], tol)
+        else:
+            rec.not_covered(f"grouped_mm {dn}", "_use_grouped_mm is False here (CUDA: bf16 on sm90/sm100)")
+
+        def module(x, w1, w3, w2, padded=False, dtype=dtype):
+            mod = GroupedExperts(e, H, F, device=ctx.device, dtype=dtype)
+            with torch.no_grad():
+                for p, w in zip((mod.w1, mod.w3, mod.w2), (w1, w3, w2)):
+                    p.copy_(w)
+            return mod(x, tpe_e, padded=padded), [x, mod.w1, mod.w3, mod.w2]
+
+        with rec.step(f"GroupedExperts.forward {dn}"):
+            run(module, "GroupedExperts.forward")
+        with rec.step(f"GroupedExperts.forward padded {dn}"):
+            run(lambda *a: module(*a, padded=True), "GroupedExperts.forward padded (NaN rows)", pad_rows=pad)
+
+
+# ------------------------------------------------------------------------------- layer
+LAYER_CONFIGS = [  # (label, parameter dtype, MoEConfig options, autocast dtype)
+    ("bf16 C=1", torch.bfloat16, dict(num_chunks=1), None),
+    ("bf16 C=4", torch.bfloat16, dict(num_chunks=4), None),
+    ("fp32 C=1", torch.float32, dict(num_chunks=1), None),
+    ("fp32 C=4", torch.float32, dict(num_chunks=4), None),
+    ("fp32 shared experts C=2", torch.float32, dict(num_chunks=2, num_shared_experts=1), None),
+    ("fp32 aux+z+capacity C=4", torch.float32,
+     dict(num_chunks=4, aux_loss_coeff=1e-2, z_loss_coeff=1e-3, capacity_factor=1.0), None),
+    ("autocast bf16 over fp32 C=4", torch.float32, dict(num_chunks=4), torch.bfloat16),
+]
+
+
+@section("layer", needs_s=15)
+def sec_layer(ctx: Ctx, rec: Record) -> None:
+    """MoELayer (W = 1) vs the dense float64 reference, then the same forward and backward again bit for bit."""
+    import moe_comm
+
+    T, H, F, E, K = (2048, 1024, 768, 8, 2) if ctx.cuda else (24, 16, 24, 4, 2)
+    for i, (label, dtype, opts, amp) in enumerate(LAYER_CONFIGS):
+        with rec.step(label):
+            cfg = moe_comm.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=K, **opts)
+            d = layer_data(cfg, T, seed=500 + i)
+            layer = moe_comm.MoELayer(cfg, seed=1, device=ctx.device, dtype=dtype, backend=ctx.backend,
+                                      allow_single_process=True)
+            load_layer(layer, d)
+            x_TH, gy_TH = d["x"].to(dtype).to(ctx.device), d["gy"].to(ctx.device)
+            got = run_layer(layer, x_TH, gy_TH, amp)
+            ref = dense_reference(d, cfg, [T], dtype, dtype, ctx.device)
+            compare_layer(rec, label, got, ref, REL_TOL[amp or dtype])
+            again = run_layer(layer, x_TH, gy_TH, amp)
+            differ = [k for k in ("y", "x", "router", "w1", "w3", "w2", "shared") if k in got
+                      and not compare_bits(again[k], got[k])[0]]
+            rec.check(f"{label}: rerun bit-identical", not differ, f"differ: {differ}" if differ else "bitwise")
+
+
+# ------------------------------------------------------------------------------- host syncs
+def sync_layer(ctx: Ctx, num_chunks: int = 2, **opts):
+    """A layer and its input for sync counting (bf16 on CUDA, fp32 on CPU), end_check="deferred" (the CUDA
+    default: the forward's end-of-phase exchange is read with the next one)."""
+    import moe_comm
+
+    T, H, F, E, K = (1024, 1024, 512, 8, 2) if ctx.cuda else (20, 16, 24, 4, 2)
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    cfg = moe_comm.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=K, num_chunks=num_chunks, **opts)
+    layer = moe_comm.MoELayer(cfg, seed=3, device=ctx.device, dtype=dtype, backend=ctx.backend,
+                              end_check="deferred", allow_single_process=True)
+    x = torch.randn(T, H, generator=ctx.gen(4), device=ctx.device).to(dtype).requires_grad_(True)
+    return layer, x
+
+
+def fwd_bwd_syncs(layer, x, how: str) -> Tuple[List[str], List[str]]:
+    """Host syncs of one forward and of its backward (the loss between them is counted in neither)."""
+    y, fwd = count_syncs(lambda: layer(x), how)
+    loss = y.float().square().mean() + layer.aux_loss
+    _, bwd = count_syncs(loss.backward, how)
+    return fwd, bwd
+
+
+# Expected host syncs of a layer at W = 1: the forward reads the counts exchange (one host read). The
+# backward reads nothing: its check-in exchange is skipped at W = 1 (Dispatcher._exchange_status returns
+# at once); two_ranks counts the W = 2 backward (one read: the check-in, with the deferred forward check).
+W1_FORWARD_SYNCS, W1_BACKWARD_SYNCS = 1, 0
+
+
+@section("host_syncs", needs_s=5)
+def sec_host_syncs(ctx: Ctx, rec: Record) -> None:
+    """Host syncs of a W = 1 layer's forward and backward after a warm-up step, plain and with an aux loss and
+    capacity (the README's configuration: the router's counts must not be read on the host either)."""
+    ways = []
+    if ctx.cuda:
+        ways.append(("cuda", "set_sync_debug_mode"))
+    else:
+        rec.not_covered("torch.cuda.set_sync_debug_mode", "no CUDA on the dry run")
+    if host_syncs_class() is not None:
+        ways.append(("hostsyncs", "HostSyncs"))
+    else:
+        rec.not_covered("HostSyncs", "moe_comm.testing.syncs missing")
+    for label, opts in (("plain", {}), ("aux loss + capacity", dict(aux_loss_coeff=1e-2, capacity_factor=1.25))):
+        layer, x = sync_layer(ctx, **opts)
+        layer(x).float().square().mean().backward()  # warm-up: first-call work is not the steady state
+        for how, counter in ways:
+            fwd, bwd = fwd_bwd_syncs(layer, x, how)
+            rec.data[f"{label}: {counter}"] = {"forward": fwd, "backward": bwd}
+            rec.check(f"{label}, {counter}: forward {W1_FORWARD_SYNCS} sync", len(fwd) == W1_FORWARD_SYNCS,
+                      f"{len(fwd)}: {fwd}")
+            rec.check(f"{label}, {counter}: backward {W1_BACKWARD_SYNCS} syncs (W = 1)",
+                      len(bwd) == W1_BACKWARD_SYNCS, f"{len(bwd)}: {bwd}")
+
+
+@section("sync_free", needs_s=5)
+def sec_sync_free(ctx: Ctx, rec: Record) -> None:
+    """MoEConfig(max_tokens_per_rank=M): no host sync in forward or backward; the dropless layer's results."""
+    import moe_comm
+
+    if "max_tokens_per_rank" not in {f.name for f in dataclasses.fields(moe_comm.MoEConfig)}:
+        raise NotCovered("MoEConfig has no field max_tokens_per_rank (the sync-free mode is not in this checkout)")
+    dropless, x = sync_layer(ctx, num_chunks=1)  # the sync-free mode runs C = 1
+    T = x.shape[0]
+    free = moe_comm.MoELayer(dropless.cfg.replace(max_tokens_per_rank=T), seed=3, device=ctx.device,
+                             dtype=x.dtype, backend=ctx.backend, end_check="deferred", allow_single_process=True)
+    free.load_state_dict(dropless.state_dict())
+    gy = torch.randn(x.shape, generator=ctx.gen(5), device=ctx.device, dtype=torch.float64)
+    want, got = run_layer(dropless, x, gy), run_layer(free, x, gy)
+    tol = 1e-5 if x.dtype == torch.float32 else REL_TOL[torch.bfloat16]
+    for k in ("y", "x", "router", "w1", "w3", "w2"):
+        err = rel_err(got[k], want[k])
+        rec.check(f"{'output' if k == 'y' else 'grad ' + k} equals the dropless layer", err <= tol,
+                  f"{'bitwise' if compare_bits(got[k], want[k])[0] else f'rel err {err:.2e}'} (tol {tol:g})")
+    ways = ([("cuda", "set_sync_debug_mode")] if ctx.cuda else []) + \
+        ([("hostsyncs", "HostSyncs")] if host_syncs_class() is not None else [])
+    if not ctx.cuda:
+        rec.not_covered("set_sync_debug_mode", "no CUDA on the dry run")
+    if host_syncs_class() is None:
+        rec.not_covered("HostSyncs", "moe_comm.testing.syncs missing")
+    for how, label in ways:
+        fwd, bwd = fwd_bwd_syncs(free, x, how)
+        rec.data[f"{how}_forward"], rec.data[f"{how}_backward"] = fwd, bwd
+        rec.check(f"{label}: forward 0 syncs", not fwd, f"{len(fwd)}: {fwd}")
+        rec.check(f"{label}: backward 0 syncs", not bwd, f"{len(bwd)}: {bwd}")
+
+
+# ------------------------------------------------------------------------------- child processes
+# nccl_world1 and two_ranks run in processes of their own (a crash or a hung collective cannot take the
+# script down), started in their turn. Started with the first section instead, to overlap their imports with
+# the in-process sections, the dry run took longer on the shared 2-core machine (59.5 s vs 44.7 s, load ~4).
+CHILD_TIMEOUT_S = 150.0
+
+
+def child_deadline(ctx: Ctx, job: Dict) -> float:
+    """time.monotonic() past which a section's processes are killed: CHILD_TIMEOUT_S after their start, and
+    never past the budget (at least 10 s from now)."""
+    return min(job["t0"] + CHILD_TIMEOUT_S, time.monotonic() + max(10.0, ctx.left()))
+
+
+def kill_job(job: Dict) -> None:
+    if "proc" in job and job["proc"].poll() is None:
+        job["proc"].kill()
+        job["proc"].communicate()
+    for p in getattr(job.get("procs"), "processes", []):
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+def child_world1(out_path: str, dry: bool) -> int:
+    """Runs in its own process (a crash or hang must not take the script down): a 1-rank NCCL group (gloo
+    on the dry run) from a file:// store; results to ``out_path`` as JSON after every step."""
+    import torch.distributed as dist
+
+    import moe_comm
+
+    rec = Record("nccl_world1")
+    dev = torch.device("cpu") if dry else torch.device("cuda", 0)
+    backend, kernels = ("gloo", "torch") if dry else ("nccl", "auto")
+    rec.data.update(backend=backend, TORCH_NCCL_BLOCKING_WAIT=os.environ.get("TORCH_NCCL_BLOCKING_WAIT"))
+
+    def save():
+        write_json(out_path, {"checks": rec.checks, "data": rec.data})
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if not dry:
+            torch.cuda.set_device(dev)
+        dist.init_process_group(backend, init_method=f"file://{os.path.join(tmp, 'store')}", rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=60))
+        try:
+            with rec.step("async all_to_all_single"):
+                # warm-up: NCCL creates its communicator at the first collective, blocking the host meanwhile
+                dist.all_to_all_single(torch.empty(8, device=dev), torch.ones(8, device=dev))
+                if not dry:
+                    torch.cuda.synchronize()
+                send = torch.arange(1 << 20, dtype=torch.float32, device=dev)
+                recv = torch.empty_like(send)
+                if not dry:
+                    torch.cuda.synchronize()
+                    ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    ev0.record()
+                    torch.cuda._sleep(SLEEP_CYCLES)  # the collective queues behind ~0.2 s of GPU work
+                t0 = time.perf_counter()
+                work = dist.all_to_all_single(recv, send, async_op=True)
+                t1 = time.perf_counter()
+                work.wait()
+                t2 = time.perf_counter()
+                after = recv * 1  # on the current stream, which wait() ordered after the collective
+                rec.check("async all_to_all_single returns a Work", hasattr(work, "wait"), type(work).__name__)
+                if dry:
+                    rec.not_covered("wait() does not block the host", "gloo's wait() blocks by design; NCCL only")
+                else:
+                    ev1.record()
+                    torch.cuda.synchronize()
+                    gpu_ms, host_ms = ev0.elapsed_time(ev1), (t2 - t0) * 1e3
+                    rec.data.update(issue_ms=(t1 - t0) * 1e3, wait_ms=(t2 - t1) * 1e3, gpu_ms=gpu_ms)
+                    rec.check("wait() does not block the host", gpu_ms > 20 and host_ms < 0.5 * gpu_ms,
+                              f"issue + wait {host_ms:.2f} ms on the host, {gpu_ms:.1f} ms on the GPU")
+                rec.check("result on the waiting stream equals the input", torch.equal(after, send))
+            save()
+            with rec.step("Dispatcher on the group"):
+                T, H, K, E = 32, 16, 2, 4
+                g = torch.Generator().manual_seed(5)
+                x = torch.randn(T, H, generator=g).to(dev)
+                idx = torch.rand(T, E, generator=g).topk(K, 1).indices
+                idx[::5, 1] = -1  # dropped slots
+                idx, w = idx.to(dev), torch.rand(T, K, generator=g).to(dev)
+                want = 2 * (w * (idx >= 0)).sum(1, keepdim=True) * x  # every expert doubles its rows
+                d = moe_comm.Dispatcher(num_experts=E, ep_group=dist.group.WORLD, backend=kernels)
+                out = d.dispatch(x, idx)
+                rec.check("Dispatcher dispatch: tokens_per_expert sums to the routed slots",
+                          int(out.tokens_per_expert.sum()) == int((idx >= 0).sum()))
+                rec.check("Dispatcher dispatch + combine", *compare_close(d.combine(out.tokens * 2, w, out.handle),
+                                                                         want, 1e-5, 1e-6))
+                rec.check("Dispatcher pipelined call, C = 2",
+                          *compare_close(d(x, idx, w, lambda rows, counts: rows * 2, num_chunks=2), want, 1e-5, 1e-6))
+            save()
+            with rec.step("MoELayer on the group"):
+                cfg = moe_comm.MoEConfig(hidden_size=16, ffn_hidden_size=24, num_experts=4, top_k=2, num_chunks=2)
+                data = layer_data(cfg, 40, seed=6)
+                layer = moe_comm.MoELayer(cfg, seed=1, device=dev, dtype=torch.float32, backend=kernels)
+                load_layer(layer, data)
+                x_TH, gy = data["x"].float().to(dev), data["gy"].to(dev)
+                run_layer(layer, x_TH, gy)  # warm-up
+                if dry:
+                    got = run_layer(layer, x_TH, gy)
+                else:
+                    got, syncs = count_syncs(lambda: run_layer(layer, x_TH, gy), "cuda")
+                    rec.data["layer_fwd_bwd_cuda_syncs"] = syncs
+                ref = dense_reference(data, cfg, [40], torch.float32, torch.float32, dev)
+                compare_layer(rec, "MoELayer fp32 on the group", got, ref, REL_TOL[torch.float32])
+            save()
+            if dry:
+                rec.not_covered("a CPU tensor in an NCCL collective raises", "gloo takes CPU tensors")
+            else:  # last: a rejected call must not leave anything in flight before the other steps
+                try:
+                    dist.all_to_all_single(torch.zeros(4), torch.ones(4))
+                    raised = None
+                except Exception as exc:  # noqa: BLE001 - any rejection will do; its text is recorded
+                    raised = exc
+                rec.check("a CPU tensor in an NCCL collective raises", raised is not None,
+                          f"{type(raised).__name__}: {str(raised)[:300]}" if raised else "accepted")
+        finally:
+            save()
+            dist.destroy_process_group()
+    return 0
+
+
+def start_world1(ctx: Ctx) -> Dict:
+    out = os.path.join(ctx.tmpdir, "world1.json")
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "world1", "--child-out", out]
+    cmd += ["--dry-run-cpu"] if ctx.dry else []
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    return {"proc": proc, "out": out, "t0": time.monotonic()}
+
+
+@section("nccl_world1", needs_s=20)
+def sec_nccl_world1(ctx: Ctx, rec: Record) -> None:
+    job = start_world1(ctx)
+    proc, timeout = job["proc"], child_deadline(ctx, job) - time.monotonic()
+    try:
+        _, stderr = proc.communicate(timeout=max(timeout, 0.1))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, stderr = proc.communicate()
+        rec.check("child finished", False, f"killed after {time.monotonic() - job['t0']:.0f} s (a hung collective?)")
+    child = json.load(open(job["out"])) if os.path.exists(job["out"]) else {"checks": [], "data": {}}
+    rec.checks.extend(child["checks"])
+    rec.data.update(child["data"])
+    for c in child["checks"]:
+        if c["status"] == FAIL:
+            print(f"    FAIL {rec.name}: {c['check']}: {c['detail']}", flush=True)
+    if proc.returncode not in (0, -9):
+        rec.check("child finished", False, f"exit {proc.returncode}: {stderr.strip()[-1500:]}")
+
+
+# ------------------------------------------------------------------------------- two ranks
+TWO_RANKS_TOKENS = [13, 7]  # tokens of rank 0 and rank 1
+
+
+def two_ranks_case(seed: int):
+    import moe_comm
+
+    cfg = moe_comm.MoEConfig(hidden_size=24, ffn_hidden_size=40, num_experts=4, top_k=2, num_chunks=2)
+    return cfg, layer_data(cfg, sum(TWO_RANKS_TOKENS), seed)
+
+
+def two_ranks_worker(rank: int, init_file: str, out_dir: str, dry: bool, seed: int) -> None:
+    """One of 2 spawned ranks (pickled by reference: module level). Writes rank<r>.pt, whatever happens."""
+    try:
+        result = two_ranks_rank(rank, init_file, dry, seed)
+    except Exception:  # noqa: BLE001 - the parent reports it
+        result = {"error": traceback.format_exc()}
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def two_ranks_rank(rank: int, init_file: str, dry: bool, seed: int) -> Dict:
+    t0 = time.perf_counter()
+    import torch.distributed as dist
+
+    import moe_comm
+    t_import = time.perf_counter() - t0
+
+    dev = torch.device("cpu") if dry else torch.device("cuda", 0)
+    if not dry:
+        torch.cuda.set_device(dev)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        # Uneven splits as moe_comm sends them: rank r sends [1 + r, 2 - r] elements to ranks 0 and 1.
+        in_splits = [1 + rank, 2 - rank]
+        out_splits = [[1 + s, 2 - s][rank] for s in range(2)]
+        send = torch.arange(3, dtype=torch.float32, device=dev) + 10 * rank
+        recv = torch.empty(sum(out_splits), dtype=torch.float32, device=dev)
+        try:
+            dist.all_to_all_single(recv, send, out_splits, in_splits)
+        except Exception as exc:  # noqa: BLE001 - unsupported by this gloo build: reported, not faked
+            return {"unsupported": f"gloo all_to_all_single on {dev.type} tensors: {type(exc).__name__}: {exc}"}
+        want = torch.cat([torch.arange(3, dtype=torch.float32)[sum([1 + s, 2 - s][:rank]):][:out_splits[s]] + 10 * s
+                          for s in range(2)])
+        out = {"a2a_ok": bool(torch.equal(recv.cpu(), want)), "import_s": t_import,
+               "init_s": time.perf_counter() - t0 - t_import}
+        cfg, d = two_ranks_case(seed)
+        layer = moe_comm.MoELayer(cfg, seed=1, device=dev, dtype=torch.float32, backend="torch" if dry else "auto",
+                                  end_check="deferred")
+        load_layer(layer, d, rank, 2)
+        start = sum(TWO_RANKS_TOKENS[:rank])
+        rows = slice(start, start + TWO_RANKS_TOKENS[rank])
+        x_TH, gy = d["x"][rows].float().to(dev), d["gy"][rows].to(dev)
+        run_layer(layer, x_TH, gy)  # warm-up
+        got = run_layer(layer, x_TH, gy)
+        out.update({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in got.items()})
+        how = "cuda" if not dry else ("hostsyncs" if host_syncs_class() is not None else None)
+        if how is not None:
+            out["syncs_how"] = how
+            out["syncs_fwd"], out["syncs_bwd"] = fwd_bwd_syncs(layer, x_TH.clone().requires_grad_(True), how)
+        out["total_s"] = time.perf_counter() - t0
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+TWO_RANKS_SEED = 900
+
+
+def start_two_ranks(ctx: Ctx) -> Dict:
+    import torch.multiprocessing as mp
+
+    out_dir = tempfile.mkdtemp(dir=ctx.tmpdir)
+    procs = mp.start_processes(two_ranks_worker, nprocs=2, join=False, start_method="spawn",
+                               args=(os.path.join(out_dir, "store"), out_dir, ctx.dry, TWO_RANKS_SEED))
+    return {"procs": procs, "out_dir": out_dir, "t0": time.monotonic()}
+
+
+@section("two_ranks", needs_s=25)
+def sec_two_ranks(ctx: Ctx, rec: Record) -> None:
+    """2 gloo ranks in spawned processes (CUDA tensors on the one GPU; CPU on the dry run) vs the reference."""
+    job = start_two_ranks(ctx)
+    procs, out_dir, deadline = job["procs"], job["out_dir"], child_deadline(ctx, job)
+    while not procs.join(timeout=0.5):
+        if time.monotonic() > deadline:
+            kill_job(job)
+            raise RuntimeError(f"the 2 ranks did not finish in {time.monotonic() - job['t0']:.0f} s "
+                               "(a hung collective?)")
+    results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(2)]
+    for r, res in enumerate(results):
+        if "error" in res:
+            raise RuntimeError(f"rank {r}: {res['error'][-1500:]}")
+    unsupported = [res["unsupported"] for res in results if "unsupported" in res]
+    if unsupported:
+        raise NotCovered(unsupported[0])
+    rec.data["rank_seconds"] = [{k: round(r[k], 2) for k in ("import_s", "init_s", "total_s")} for r in results]
+    rec.check("uneven all_to_all_single over gloo", all(res["a2a_ok"] for res in results),
+              f"{'CPU' if ctx.dry else 'CUDA'} tensors")
+    cfg, d = two_ranks_case(TWO_RANKS_SEED)
+    ref = dense_reference(d, cfg, TWO_RANKS_TOKENS, torch.float32, torch.float32, torch.device("cpu"))
+    tol = REL_TOL[torch.float32]
+    differ = int((torch.cat([r["topk"] for r in results]) != ref["topk"]).any(1).sum())
+    rec.check("routing equals the reference", differ == 0, f"{differ} tokens routed differently")
+    check_rel(rec, "output", torch.cat([r["y"] for r in results]), ref["y"], tol)
+    aux = sum(r["aux"] for r in results)
+    rec.check("aux loss (sum over ranks)", abs(aux - ref["aux"]) <= tol * max(1.0, abs(ref["aux"])),
+              f"{aux:.6g} vs {ref['aux']:.6g}")
+    check_rel(rec, "grad x", torch.cat([r["x"] for r in results]), ref["x"], tol)
+    # the router weight is replicated: each rank holds its own tokens' gradient; they sum to the dense one
+    check_rel(rec, "grad router (sum over ranks)", sum(r["router"].double() for r in results), ref["router"], tol)
+    for name in ("w1", "w3", "w2"):
+        check_rel(rec, f"grad {name}", torch.cat([r[name] for r in results]), ref[name], tol)
+    syncs = [(r.get("syncs_how"), r.get("syncs_fwd"), r.get("syncs_bwd")) for r in results]
+    rec.data["syncs"] = syncs
+    if syncs[0][0] == "hostsyncs":
+        # W = 2, end_check="deferred": forward reads the counts exchange; backward reads the check-in exchange
+        # (with the deferred end-of-forward one): one each.
+        for r, (_, fwd, bwd) in enumerate(syncs):
+            rec.check(f"rank {r} HostSyncs: forward 1, backward 1", (len(fwd), len(bwd)) == (1, 1),
+                      f"forward {fwd}, backward {bwd}")
+    elif syncs[0][0] == "cuda":
+        # gloo moves the control exchange through CPU tensors, so these CUDA syncs are data, not NCCL's count
+        rec.not_covered("host syncs at W = 2", "gloo with CUDA tensors: recorded in data (not the NCCL path)")
+    else:
+        rec.not_covered("host syncs at W = 2", "moe_comm.testing.syncs missing")
+
+
+# ------------------------------------------------------------------------------- timeline
+@section("timeline", needs_s=5)
+def sec_timeline(ctx: Ctx, rec: Record) -> None:
+    """The layer's Timeline over one forward and backward at C = 4: CUDA-event spans on CUDA."""
+    import moe_comm
+    from moe_comm.profiling import format_report, overlap_report, to_chrome_trace
+
+    C = 4
+    T, H, F, E, K = (2048, 1024, 768, 8, 2) if ctx.cuda else (32, 16, 24, 4, 2)
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    cfg = moe_comm.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=K, num_chunks=C)
+    layer = moe_comm.MoELayer(cfg, seed=2, device=ctx.device, dtype=dtype, backend=ctx.backend,
+                              allow_single_process=True)
+    # The Dispatcher gives its timeline the channel's device, CPU for a layer without a process group; host
+    # clocks around CUDA work time its launches, not its execution. Checked, then pointed at the layer's device.
+    default = layer.timeline.device
+    rec.check("the layer's timeline defaults to the layer's device", default.type == ctx.device.type,
+              f"timeline on {default}, layer on {ctx.device}")
+    layer.timeline.device = ctx.device
+    x = torch.randn(T, H, generator=ctx.gen(8), device=ctx.device).to(dtype).requires_grad_(True)
+    layer(x).float().square().mean().backward()  # warm-up, timeline off
+    layer.timeline.enabled = True
+    try:
+        layer(x).float().square().mean().backward()
+        spans = layer.timeline.gather()  # no process group: this rank's spans, CUDA events resolved
+    finally:
+        layer.timeline.enabled = False
+    rec.check("no span left pending", layer.timeline.synchronize(timeout=0.0) == 0)
+    have = {(s.phase, s.kind, s.direction, s.chunk) for s in spans}
+    want = {("router", "compute", "fwd", -1), ("layout", "compute", "fwd", -1), ("permute", "compute", "fwd", -1),
+            ("unpermute", "compute", "fwd", -1), ("counts", "comm", "fwd", -1)}
+    want |= {("experts", "compute", dr, c) for dr in ("fwd", "bwd") for c in range(C)}
+    missing = sorted(want - have)
+    rec.check("spans of every phase and chunk", not missing, f"missing {missing}" if missing else f"{len(spans)} spans")
+    by = {(s.phase, s.direction, s.chunk): s for s in spans}
+    experts_fwd = [by[("experts", "fwd", c)] for c in range(C) if ("experts", "fwd", c) in by]
+    if experts_fwd and ("router", "fwd", -1) in by and ("unpermute", "fwd", -1) in by:
+        slack = 1e-6
+        ordered = by[("router", "fwd", -1)].end <= experts_fwd[0].start + slack and \
+            all(a.end <= b.start + slack for a, b in zip(experts_fwd, experts_fwd[1:])) and \
+            experts_fwd[-1].end <= by[("unpermute", "fwd", -1)].start + slack
+        rec.check("forward spans in stream order: router, experts chunk 0..C-1, unpermute", ordered,
+                  ", ".join(f"{s.phase}{s.chunk} {s.start:.6f}-{s.end:.6f}" for s in experts_fwd))
+        rec.check("experts spans have a duration", all(s.duration > 0 for s in experts_fwd),
+                  ", ".join(f"{s.duration * 1e3:.3f} ms" for s in experts_fwd))
+    report = overlap_report(spans)
+    overall = report["overall"]
+    rec.data["overall"] = {k: overall[k] for k in ("T_compute", "T_comm", "hidden", "exposed", "T_step", "wall")}
+    rec.check("overlap report covers every span", overall["num_spans"] == len(spans) and overall["T_compute"] > 0,
+              f"{overall['num_spans']} spans, T_compute {overall['T_compute'] * 1e3:.3f} ms")
+    rec.check("format_report renders", bool(format_report(report).strip()))
+    path = os.path.join(ctx.tmpdir, "timeline_trace.json")
+    to_chrome_trace(spans, path)
+    events = [e for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X"]
+    rec.check("Chrome trace: one complete event per span", len(events) == len(spans), f"{len(events)} events")
+
+
+# ------------------------------------------------------------------------------- pytest -m gpu
+@section("pytest_gpu", needs_s=60)
+def sec_pytest_gpu(ctx: Ctx, rec: Record) -> None:
+    if not ctx.cuda:
+        raise NotCovered("needs CUDA: the gpu-marked tests skip without a device")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # conftest sets it only without CUDA
+    timeout = ctx.left() - 5
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        tail = (exc.stdout or b"")[-2000:]
+        rec.data["tail"] = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        rec.check("pytest -m gpu finished", False, f"timed out after {timeout:.0f} s")
+        return
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    summary = lines[-1] if lines else ""
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)", summary)}
+    rec.data.update(returncode=proc.returncode, summary=summary, counts=counts, tail="\n".join(lines[-40:]))
+    print(f"    {summary}")
+    rec.check("pytest -m gpu exits 0", proc.returncode == 0, summary or proc.stderr.strip()[-500:])
+    rec.check("gpu tests ran", counts.get("passed", 0) > 0, summary)
+
+
+# ======================================================================================= runner
+def write_json(path: str, payload: Dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=1, default=str)
+        f.write("\n")
+    os.replace(tmp, path)  # a reader (or a kill) never sees half a file
+
+
+def verdict(rec: Record, error: Optional[BaseException]) -> Tuple[str, str]:
+    """(status, reason) of a section from its checks and what it raised."""
+    if isinstance(error, NotCovered):
+        return NOT_COVERED, str(error)
+    if error is not None:
+        return FAIL, f"raised {type(error).__name__}: {str(error)[:300]}"
+    failed = [c for c in rec.checks if c["status"] == FAIL]
+    passed = [c for c in rec.checks if c["status"] == PASS]
+    missed = [c for c in rec.checks if c["status"] == NOT_COVERED]
+    if failed:
+        first = failed[0]
+        return FAIL, f"{len(failed)} of {len(rec.checks)} checks failed; first: {first['check']}: {first['detail']}"
+    if not passed:
+        return NOT_COVERED, "; ".join(f"{c['check']}: {c['detail']}" for c in missed) or "no checks ran"
+    reason = f"{len(passed)} checks passed"
+    if missed:
+        reason += "; not covered: " + "; ".join(f"{c['check']} ({c['detail']})" for c in missed)
+    return PASS, reason
+
+
+def run_sections(ctx: Ctx, selected: List[str]) -> List[Dict]:
+    results = [{"section": s.name, "status": NOT_RUN, "reason": "", "seconds": 0.0, "checks": [], "data": {}}
+               for s in SECTIONS]
+
+    def payload(done: bool) -> Dict:
+        statuses = [r["status"] for r in results]
+        return {"tool": "benchmarks/gpu_check.py", "argv": sys.argv[1:], "dry_run": ctx.dry,
+                "device": str(ctx.device), "budget_s": ctx.args.budget, "complete": done,
+                "elapsed_s": round(time.perf_counter() - ctx.t_start, 2), "env": ctx.env,
+                "verdict": (FAIL if FAIL in statuses else PASS) if done else None,
+                "counts": {s: statuses.count(s) for s in (PASS, FAIL, NOT_COVERED, NOT_RUN)}, "sections": results}
+
+    def save(done: bool = False) -> None:
+        if ctx.args.json:
+            write_json(ctx.args.json, payload(done))
+
+    save()
+    no_cuda = not ctx.dry and not torch.cuda.is_available()
+    for i, (sec, res) in enumerate(zip(SECTIONS, results)):
+        rec, error, t0 = Record(sec.name), None, time.perf_counter()
+        print(f"[{i + 1:2d}/{len(SECTIONS)}] {sec.name} ...", flush=True)
+        if sec.name not in selected:
+            error = NotCovered("not selected (--only)")
+        elif no_cuda and sec.name != "env":
+            error = NotCovered("no CUDA device")
+        elif ctx.left() < sec.needs_s:
+            error = NotCovered(f"budget: {time.perf_counter() - ctx.t_start:.0f} s of {ctx.args.budget:.0f} s spent, "
+                               f"the section needs ~{sec.needs_s:.0f} s")
+        else:
+            try:
+                if ctx.args.inject_failure == sec.name:
+                    raise RuntimeError(f"injected failure (--inject-failure {sec.name})")
+                sec.fn(ctx, rec)
+            except Exception as exc:  # noqa: BLE001 - any failure of a section is its verdict, the rest run on
+                error = exc
+                if not isinstance(exc, NotCovered):
+                    res["traceback"] = traceback.format_exc()
+                    print(res["traceback"], file=sys.stderr, flush=True)
+        status, reason = verdict(rec, error)
+        error = None  # the traceback holds the section's frames (and its GPU tensors)
+        if ctx.cuda:
+            try:  # a kernel fault surfaces at the next sync: it belongs to this section
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            except Exception as exc:  # noqa: BLE001
+                status, reason = FAIL, f"CUDA error after the section: {type(exc).__name__}: {exc}"
+        res.update(status=status, reason=reason, seconds=round(time.perf_counter() - t0, 2), checks=rec.checks,
+                   data=rec.data)
+        print(f"        {status}  {res['seconds']:.1f} s  {reason[:200]}", flush=True)
+        save()
+    save(done=True)
+    return results
+
+
+def print_table(results: List[Dict], wall: float) -> None:
+    rows = []
+    for r in results:
+        n = {s: sum(c["status"] == s for c in r["checks"]) for s in (PASS, FAIL, NOT_COVERED)}
+        checks = f"{n[PASS]}/{n[PASS] + n[FAIL]}" + (f" +{n[NOT_COVERED]} n/c" if n[NOT_COVERED] else "")
+        rows.append((r["section"], r["status"], checks, f"{r['seconds']:.1f}", r["reason"]))
+    statuses = [r["status"] for r in results]
+    total = f"{'FAIL' if FAIL in statuses else 'PASS'}: " + ", ".join(
+        f"{statuses.count(s)} {s}" for s in (PASS, FAIL, NOT_COVERED)) + f" in {wall:.1f} s"
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(f"\n{'section':<14} {'status':<12} {'checks':<14} {'s':>6}  reason")
+        for row in rows:
+            print(f"{row[0]:<14} {row[1]:<12} {row[2]:<14} {row[3]:>6}  {row[4]}")
+        print(total)
+        return
+    colour = {PASS: "green", FAIL: "bold red", NOT_COVERED: "yellow"}
+    table = Table(title="gpu_check verdict", title_justify="left")
+    for col, justify in (("section", "left"), ("status", "left"), ("checks", "right"), ("s", "right"),
+                         ("reason", "left")):
+        table.add_column(col, justify=justify, overflow="fold")
+    for name, status, checks, secs, reason in rows:
+        table.add_row(name, f"[{colour.get(status, 'white')}]{status}[/]", checks, secs, reason[:400])
+    console = Console(width=160)
+    console.print()
+    console.print(table)
+    console.print(total)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    names = [s.name for s in SECTIONS]
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH ('-' for stdout)")
+    p.add_argument("--json", metavar="PATH", help="write the results to PATH (rewritten after every section)")
     p.add_argument("--dry-run-cpu", action="store_true",
-                   help="tiny shapes on CPU under TRITON_INTERPRET=1: exercises the script without a GPU")
-    p.add_argument("--budget-s", type=float, default=200.0,
-                   help="skip the remaining bandwidth measurements once this many seconds have passed "
-                        "(correctness always runs to the end); default 200")
-    p.add_argument("--no-bench", action="store_true", help="correctness only")
-    p.add_argument("--no-sweep", action="store_true", help="skip the column-block sweep")
-    return p.parse_args(argv)
-
-
-def full_cases() -> List[Case]:
-    cases = [Case(T, H, K, E, dt) for dt in ("bf16", "fp32") for T in (4096, 16384) for H in (2048, 7168)
-             for K in (2, 8) for E in (16, 256)]
-    cases += [Case(4096, 7168, 8, 256, dt, drop=0.1, used_experts=64, label="10% dropped, 192 empty")
-              for dt in ("bf16", "fp32")]
-    cases.append(Case(8192, 65600, 4, 16, "bf16", label="N*H > 2^31", wide=True))
-    return cases
-
-
-def dry_run_cases() -> List[Case]:
-    cases = [Case(T, H, K, E, dt) for dt in ("bf16", "fp32") for T in (8, 24) for H in (16, 40)
-             for K in (2, 3) for E in (4, 8)]
-    cases += [Case(24, 40, 3, 8, dt, drop=0.2, used_experts=3, label="20% dropped, 5 empty")
-              for dt in ("bf16", "fp32")]
-    cases.append(Case(8, 2100, 2, 4, "bf16", label="wide rows", wide=True))
-    return cases
-
-
-def tolerances(torch, dtype):
-    """(rtol, atol) for unpermute outputs: fp32 FMA vs mul-then-add, or 1 ulp of a bf16 result."""
-    return (1e-5, 1e-5) if dtype == torch.float32 else (2 ** -7, 1e-5)
+                   help="every section at tiny shapes on CPU (Triton interpreter, gloo): CI without a GPU")
+    p.add_argument("--budget", type=float, default=330.0,
+                   help="seconds; sections that would start past it are NOT COVERED ('budget'); default 330")
+    p.add_argument("--min-of-copy", type=float, default=0.25,
+                   help="bandwidth floor: kernel GB/s as a fraction of a device copy of the same bytes "
+                        "(a sanity floor, not a measured target); default 0.25")
+    p.add_argument("--only", metavar="NAMES", help=f"comma-separated sections to run (others NOT COVERED): {names}")
+    p.add_argument("--inject-failure", metavar="SECTION", choices=names,
+                   help="make SECTION raise (shows that the check can fail)")
+    p.add_argument("--child", choices=["world1"], help=argparse.SUPPRESS)
+    p.add_argument("--child-out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.selected = names if not args.only else [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = sorted(set(args.selected) - set(names))
+    if unknown:
+        p.error(f"--only: unknown sections {unknown}; known: {names}")
+    return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    # TRITON_INTERPRET is read when the kernels are decorated, i.e. when triton_ops is imported: set it first
-    if args.dry_run_cpu:
-        os.environ["TRITON_INTERPRET"] = "1"
-    elif os.environ.get("TRITON_INTERPRET", "0") == "1":
-        print("gpu_check: ignoring TRITON_INTERPRET=1 (it would run the interpreter, not the compiled kernels)")
-        os.environ["TRITON_INTERPRET"] = "0"
-    sys.path.insert(0, REPO_ROOT)  # test this checkout, not an installed copy
-
-    import torch
-
-    if not args.dry_run_cpu and not torch.cuda.is_available():
-        print("gpu_check: no CUDA device visible (torch.cuda.is_available() is False). Run this on a CUDA "
-              "machine, or use --dry-run-cpu to exercise the script on CPU.", file=sys.stderr)
-        return 2
-    from moe_comm.kernels import reference, triton_ops
-    from moe_comm.ops.layout import make_layout
-    if not triton_ops.available():
-        print("gpu_check: triton cannot be imported; the Triton kernels cannot run.", file=sys.stderr)
-        return 2
-    if not args.dry_run_cpu and triton_ops._interpreting():
-        print("gpu_check: triton was imported in interpreter mode; unset TRITON_INTERPRET.", file=sys.stderr)
-        return 2
-    import triton
-
-    device = torch.device("cpu" if args.dry_run_cpu else "cuda")
+    if args.child == "world1":
+        return child_world1(args.child_out, args.dry_run_cpu)
+    # A section that hangs (a stuck collective in this process) must not hang the call: every thread's stack
+    # goes to stderr and the process exits 1 at 355 s by default; the JSON keeps what finished.
+    faulthandler.dump_traceback_later(args.budget + 25, exit=True)
+    if args.dry_run_cpu:  # tiny tensors: one intra-op thread per process, so 3 processes share 2 cores calmly
+        torch.set_num_threads(1)
+        os.environ["OMP_NUM_THREADS"] = "1"  # read by the child processes at their start
+    device = torch.device("cpu") if args.dry_run_cpu or not torch.cuda.is_available() else torch.device("cuda", 0)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    print(f"gpu_check: {'dry run on CPU' if args.dry_run_cpu else device}, budget {args.budget:.0f} s"
+          + (" (ignored TRITON_INTERPRET=1: the compiled kernels are the point)" if INTERPRET_IGNORED else ""))
     t_start = time.perf_counter()
-    env = {
-        "device": "cpu (TRITON_INTERPRET=1 dry run)" if args.dry_run_cpu else torch.cuda.get_device_name(0),
-        "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-        "block_bytes": triton_ops._BLOCK_BYTES, "dry_run": args.dry_run_cpu,
-    }
-    print(f"gpu_check on {env['device']} | torch {env['torch']} | triton {env['triton']} | "
-          f"block {env['block_bytes']} B")
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def bench_ms(fn: Callable[[], object]) -> float:
-        """Median milliseconds of ``fn``: do_bench (CUDA events, L2 flushed) or, on the dry run, wall time."""
-        if device.type == "cuda":
-            return float(triton.testing.do_bench(fn, warmup=10, rep=50, quantiles=[0.5, 0.2, 0.8])[0])
-        fn()
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-
-    copy_cache: Dict[int, float] = {}
-
-    def copy_gbps(nbytes: int) -> float:
-        """GB/s of ``dst.copy_(src)`` moving ``nbytes`` in total (nbytes / 2 read, nbytes / 2 written)."""
-        half = max(nbytes // 2, 1)
-        if half not in copy_cache:
-            src = torch.empty(half, dtype=torch.uint8, device=device).fill_(1)
-            dst = torch.empty_like(src)
-            copy_cache[half] = 2 * half / (bench_ms(lambda: dst.copy_(src)) * 1e-3) / 1e9
-            del src, dst
-        return copy_cache[half]
-
-    def routing(case: Case, seed: int):
-        g = torch.Generator(device=device).manual_seed(seed)
-        scores_TE = torch.rand(case.T, case.E, generator=g, device=device)
-        if case.used_experts is not None:
-            scores_TE[:, case.used_experts:] = -1.0
-        topk_idx_TK = scores_TE.topk(case.K, dim=1).indices
-        if case.drop:
-            topk_idx_TK[torch.rand(case.T, case.K, generator=g, device=device) < case.drop] = -1
-        backend = "torch" if args.dry_run_cpu else "auto"  # the dry run must not build the C++ kernels
-        layout = make_layout(topk_idx_TK, num_experts=case.E, backend=backend)
-        if not case.drop:
-            layout.set_num_rows(case.T * case.K)  # nothing dropped: N = T*K, no host sync
-        return layout.token_N, layout.dest_row_TK, layout.num_rows  # host sync only when slots were dropped
-
-    def check(res: CaseResult, op: str, got, want, rtol=None, atol=None):
-        """Bitwise when rtol is None, else allclose; records the max abs error either way."""
-        if got.shape != want.shape or got.dtype != want.dtype:
-            res.checks[op] = {"ok": False, "max_abs_err": None,
-                              "detail": f"got {tuple(got.shape)} {got.dtype}, "
-                                        f"expected {tuple(want.shape)} {want.dtype}"}
-            return
-        # in row chunks of ~2^27 elements: the wide case has N*H > 2^31 and float64 copies would be huge
-        rows = max(1, (1 << 27) // max(got.shape[-1], 1))
-        max_err, close = 0.0, True
-        for r0 in range(0, got.shape[0], rows):
-            a, b = got[r0:r0 + rows].double(), want[r0:r0 + rows].double()
-            if a.numel():
-                max_err = max(max_err, float((a - b).abs().max()))
-                if rtol is not None:
-                    close = close and bool(torch.allclose(a, b, rtol=rtol, atol=atol))
-        ok = bool(torch.equal(got, want)) if rtol is None else close
-        res.checks[op] = {"ok": ok, "max_abs_err": max_err,
-                          "detail": "bitwise" if rtol is None else f"rtol={rtol:g} atol={atol:g}"}
-
-    def run_case(case: Case, seed: int, bench: bool) -> CaseResult:
-        res = CaseResult(case=asdict(case), name=case.name)
-        dtype = getattr(torch, DTYPE_NAMES[case.dtype])
-        T, H, K = case.T, case.H, case.K
-        g = torch.Generator(device=device).manual_seed(seed + 1)
-        token_N, row_TK, N = routing(case, seed)
-        res.N = N
-        x_TH = torch.randn(T, H, generator=g, device=device).to(dtype)
-        scale_N = torch.rand(N, generator=g, device=device) * 2
-        weight_TK = torch.rand(T, K, generator=g, device=device)
-
-        # (a) correctness
-        x_NH = triton_ops.permute_rows(x_TH, token_N)
-        check(res, "permute", x_NH, reference.permute_rows(x_TH, token_N))
-        if not case.wide:
-            xs_NH = triton_ops.permute_rows(x_TH, token_N, scale_N)
-            check(res, "permute*scale", xs_NH, reference.permute_rows(x_TH, token_N, scale_N))
-            del xs_NH
-        rtol, atol = tolerances(torch, dtype)
-        if N > 0:  # the reference cannot index an empty y_NH
-            if not case.wide:
-                check(res, "unpermute*w", triton_ops.unpermute_rows(x_NH, row_TK, weight_TK),
-                      reference.unpermute_rows(x_NH, row_TK, weight_TK), rtol, atol)
-            check(res, "unpermute", triton_ops.unpermute_rows(x_NH, row_TK),
-                  reference.unpermute_rows(x_NH, row_TK), rtol, atol)
-            if not case.wide:
-                grad_TH = torch.randn(T, H, generator=g, device=device).to(dtype)
-                check(res, "weight_grad", triton_ops.unpermute_weight_grad(grad_TH, x_NH, row_TK),
-                      reference.unpermute_weight_grad(grad_TH, x_NH, row_TK), 1e-4, 1e-6 * H)
-                del grad_TH
-        sync()
-
-        # (b) bandwidth, into reused output buffers (the persistent-workspace case)
-        if bench and not case.wide:
-            es = x_TH.element_size()
-            out_NH = torch.empty_like(x_NH)
-            out_TH = torch.empty_like(x_TH)
-            ops = {
-                "permute": (lambda: triton_ops.permute_rows(x_TH, token_N, out=out_NH), 2 * N * H * es + 8 * N),
-                "unpermute*w": (lambda: triton_ops.unpermute_rows(x_NH, row_TK, weight_TK, out=out_TH),
-                                N * H * es + T * H * es + 12 * T * K),
-            }
-            for op, (fn, nbytes) in ops.items():
-                ms = bench_ms(fn)
-                gbps = nbytes / (ms * 1e-3) / 1e9
-                cg = copy_gbps(nbytes)
-                res.bandwidth[op] = {"ms": ms, "bytes": nbytes, "gbps": gbps, "copy_gbps": cg, "of_copy": gbps / cg}
-            del out_NH, out_TH
-        return res
-
-    cases = dry_run_cases() if args.dry_run_cpu else full_cases()
-    results: List[CaseResult] = []
-    for i, case in enumerate(cases):
-        bench = not args.no_bench and time.perf_counter() - t_start < args.budget_s
-        try:
-            res = run_case(case, seed=1000 + i, bench=bench)
-        except Exception as exc:  # a failing kernel must not hide the other cases
-            res = CaseResult(case=asdict(case), name=case.name, error=f"{type(exc).__name__}: {exc}")
-            traceback.print_exc()
-        finally:
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        results.append(res)
-        print(format_case(res), flush=True)
-
-    sweep = []
-    if not (args.no_bench or args.no_sweep):
-        sweep = run_sweep(torch, triton_ops, routing, bench_ms, copy_gbps, device, args, t_start)
-
-    ok = all(r.ok for r in results)
-    wall = time.perf_counter() - t_start
-    print_summary(results, sweep, ok, wall)
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmpdir:
+        ctx = Ctx(args=args, dry=args.dry_run_cpu, device=device, t_start=t_start, tmpdir=tmpdir)
+        results = run_sections(ctx, args.selected)
+    faulthandler.cancel_dump_traceback_later()
+    print_table(results, time.perf_counter() - t_start)
     if args.json:
-        payload = {"env": env, "ok": ok, "wall_s": wall, "cases": [asdict(r) | {"ok": r.ok} for r in results],
-                   "sweep": sweep}
-        text = json.dumps(payload, indent=1)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
-            print(f"wrote {args.json}")
-    return 0 if ok else 1
-
-
-def run_sweep(torch, triton_ops, routing, bench_ms, copy_gbps, device, args, t_start) -> List[Dict]:
-    """GB/s of permute and weighted unpermute for each column block size, on the largest shapes."""
-    shapes = [Case(24, 40, 3, 8, "bf16"), Case(24, 40, 3, 8, "fp32")] if args.dry_run_cpu else \
-        [Case(16384, 7168, 8, 256, "bf16"), Case(16384, 7168, 8, 256, "fp32"), Case(4096, 2048, 8, 256, "bf16")]
-    rows = []
-    for j, case in enumerate(shapes):
-        if time.perf_counter() - t_start > args.budget_s:
-            print(f"sweep: budget of {args.budget_s:.0f} s spent, skipping {case.name}")
-            continue
-        dtype = getattr(torch, DTYPE_NAMES[case.dtype])
-        token_N, row_TK, N = routing(case, 7 + j)
-        x_TH = torch.randn(case.T, case.H, device=device).to(dtype)
-        weight_TK = torch.rand(case.T, case.K, device=device)
-        x_NH = torch.empty(N, case.H, dtype=dtype, device=device)
-        out_TH = torch.empty_like(x_TH)
-        es = x_TH.element_size()
-        p_bytes = 2 * N * case.H * es + 8 * N
-        u_bytes = N * case.H * es + case.T * case.H * es + 12 * case.T * case.K
-        seen = set()
-        for block_bytes in SWEEP_BLOCK_BYTES:
-            bh, nw = triton_ops._block_config(case.H, es, block_bytes)
-            if (bh, nw) in seen:  # H smaller than the block: same launch as a smaller block_bytes
-                continue
-            seen.add((bh, nw))
-            p_ms = bench_ms(lambda x=x_TH, o=x_NH, b=block_bytes: triton_ops._launch_permute(x, token_N, None, o, b))
-            u_ms = bench_ms(lambda y=x_NH, o=out_TH, b=block_bytes: triton_ops._launch_unpermute(y, row_TK, weight_TK,
-                                                                                                    o, b))
-            p_gbps, u_gbps = p_bytes / p_ms / 1e6, u_bytes / u_ms / 1e6
-            rows.append({"case": case.name, "block_bytes": block_bytes, "BLOCK_H": bh, "num_warps": nw,
-                         "permute_gbps": p_gbps, "permute_of_copy": p_gbps / copy_gbps(p_bytes),
-                         "unpermute_gbps": u_gbps, "unpermute_of_copy": u_gbps / copy_gbps(u_bytes)})
-        del x_TH, x_NH, out_TH
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return rows
-
-
-def format_case(res: CaseResult) -> str:
-    if res.error:
-        return f"FAIL  {res.name:<52} error: {res.error}"
-    parts = []
-    for op, c in res.checks.items():
-        err = "n/a" if c["max_abs_err"] is None else f"{c['max_abs_err']:.1e}"
-        parts.append(f"{op} {'ok' if c['ok'] else 'FAIL'}({err})")
-    return f"{'PASS' if res.ok else 'FAIL'}  {res.name:<52} N={res.N:<7} " + " ".join(parts)
-
-
-def print_summary(results: List[CaseResult], sweep: List[Dict], ok: bool, wall: float) -> None:
-    bench = [r for r in results if r.bandwidth]
-    if bench:
-        print("\nbandwidth (GB/s, median; 'copy' = dst.copy_(src) of the same bytes)")
-        print(f"{'case':<52} {'permute':>8} {'copy':>7} {'frac':>5} | "
-              f"{'unperm*w':>8} {'copy':>7} {'frac':>5}")
-        for r in bench:
-            p, u = r.bandwidth.get("permute"), r.bandwidth.get("unpermute*w")
-            cols = []
-            for b in (p, u):
-                cols.append(f"{b['gbps']:8.1f} {b['copy_gbps']:7.1f} {b['of_copy']:5.2f}" if b
-                            else f"{'-':>8} {'-':>7} {'-':>5}")
-            print(f"{r.name:<52} {cols[0]} | {cols[1]}")
-    if sweep:
-        print("\ncolumn-block sweep (GB/s and fraction of copy)")
-        print(f"{'case':<34} {'bytes':>6} {'BLOCK_H':>7} {'warps':>5} "
-              f"{'permute':>8} {'frac':>5} {'unperm*w':>8} {'frac':>5}")
-        for s in sweep:
-            print(f"{s['case']:<34} {s['block_bytes']:>6} {s['BLOCK_H']:>7} {s['num_warps']:>5} "
-                  f"{s['permute_gbps']:8.1f} {s['permute_of_copy']:5.2f} "
-                  f"{s['unpermute_gbps']:8.1f} {s['unpermute_of_copy']:5.2f}")
-    n_checks = sum(len(r.checks) for r in results)
-    failed = [r.name for r in results if not r.ok]
-    print(f"\n{'PASS' if ok else 'FAIL'}: {len(results) - len(failed)}/{len(results)} cases, {n_checks} checks, "
-          f"{wall:.1f} s"
-          + (f"; failed: {failed[:5]}" + (f" and {len(failed) - 5} more" if len(failed) > 5 else "")
-             if failed else ""))
+        print(f"wrote {args.json}")
+    return 1 if any(r["status"] == FAIL for r in results) else 0
 
 
 if __name__ == "__main__":

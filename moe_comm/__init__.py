@@ -1,7 +1,8 @@
 """moe_comm: expert-parallel Mixture-of-Experts communication for PyTorch.
 
 Public API: MoEConfig, MoELayer, Dispatcher, Router, GroupedExperts, ops (make_layout, permute,
-unpermute), checkpoint helpers, LoadMonitor, plan_placement, and the dense reference (``dense_moe``).
+unpermute), check (read deferred failures), checkpoint helpers, LoadMonitor, plan_placement, and the
+dense reference (``dense_moe``).
 
 Dependency rule (one way, lowest first; tested in tests/test_dependencies.py):
 
@@ -15,7 +16,7 @@ neither rich nor matplotlib.
 from moe_comm import ops
 from moe_comm.config import MoEConfig
 from moe_comm.dispatch import DispatchHandle, Dispatcher, DispatchOutput
-from moe_comm.modules import GroupedExperts, MoELayer, SwiGLU, checkpoint
+from moe_comm.modules import GroupedExperts, MoELayer, SwiGLU, check, checkpoint
 from moe_comm.monitor import LoadMonitor
 from moe_comm.placement import Placement, plan_placement
 from moe_comm.routing import Router, RouterOutput, route
@@ -25,7 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "MoEConfig", "MoELayer", "Dispatcher", "DispatchOutput", "DispatchHandle", "Router", "RouterOutput",
     "route", "GroupedExperts", "SwiGLU", "dense_moe", "ops", "checkpoint", "LoadMonitor", "Placement",
-    "plan_placement", "__version__",
+    "plan_placement", "check", "__version__",
 ]
 
 

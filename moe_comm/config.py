@@ -49,6 +49,11 @@ class MoEConfig:
             weight has the layer's dtype, the logits are float32 (float64 for float64 x). Scores and
             routing weights are float32 (float64 when the logits are). Under ``torch.autocast`` the
             router runs as stated here, outside autocast.
+        max_tokens_per_rank: None (default): dropless with exact exchange sizes, one host sync per forward.
+            M: the sync-free mode (``Dispatcher(max_tokens_per_rank=M)``): fixed-size exchanges of
+            W x M x K rows, no host sync in forward or backward after the first call; at most M tokens per
+            rank per call; needs num_chunks=1. Call ``MoELayer.check()`` once a step to surface a failure of
+            another rank (see ``Dispatcher``).
     """
 
     hidden_size: int
@@ -68,6 +73,7 @@ class MoEConfig:
     shared_ffn_hidden_size: Optional[int] = None
     shared_expert_gate: bool = False
     router_dtype: Optional[torch.dtype] = None
+    max_tokens_per_rank: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name, low in (("hidden_size", 1), ("ffn_hidden_size", 1), ("num_experts", 1), ("top_k", 1),
@@ -110,6 +116,11 @@ class MoEConfig:
         check_bool("MoEConfig.shared_expert_gate", self.shared_expert_gate)
         if self.shared_expert_gate and self.num_shared_experts == 0:
             raise ValueError("MoEConfig.shared_expert_gate needs num_shared_experts >= 1, got num_shared_experts=0")
+        if self.max_tokens_per_rank is not None:
+            check_int("MoEConfig.max_tokens_per_rank", self.max_tokens_per_rank, 1)
+            if self.num_chunks != 1:
+                raise ValueError("MoEConfig.max_tokens_per_rank (the sync-free mode) needs num_chunks=1, got "
+                                 f"num_chunks={self.num_chunks!r}")
         if self.router_dtype is not None:
             if not isinstance(self.router_dtype, torch.dtype):
                 raise TypeError(f"MoEConfig.router_dtype must be None or a torch.dtype, got {self.router_dtype!r}")

@@ -52,6 +52,13 @@ def _group_limited_mask(select_TE: torch.Tensor, num_groups: int, topk_groups: i
     return select_TE.masked_fill(~keep_TE, float("-inf"))
 
 
+def _bin_counts(bins_N: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """[num_bins] int64 counts of the int64 values in bins_N (each in [0, num_bins)): ``torch.bincount``'s
+    result, but a fixed-size scatter_add (bincount syncs on CUDA to size its output)."""
+    return torch.zeros(num_bins, dtype=torch.int64, device=bins_N.device).scatter_add_(0, bins_N,
+                                                                                        torch.ones_like(bins_N))
+
+
 def _apply_capacity(topk_idx_TK: torch.Tensor, topk_score_TK: torch.Tensor, num_experts: int,
                     capacity: int) -> torch.Tensor:
     """Drop (set -1) each expert's lowest-score slots beyond ``capacity``; ties keep the earlier slot.
@@ -61,7 +68,7 @@ def _apply_capacity(topk_idx_TK: torch.Tensor, topk_score_TK: torch.Tensor, num_
     flat_score = topk_score_TK.reshape(-1)
     by_score = torch.sort(flat_score, descending=True, stable=True).indices
     by_expert = by_score[torch.sort(bin_idx[by_score], stable=True).indices]  # expert, then score desc
-    counts_E = torch.bincount(bin_idx, minlength=num_experts + 1)
+    counts_E = _bin_counts(bin_idx, num_experts + 1)
     start_E = torch.cumsum(counts_E, 0) - counts_E
     rank_in_expert = torch.empty_like(flat_idx)
     rank_in_expert[by_expert] = torch.arange(flat_idx.numel(), device=flat_idx.device) - start_E[bin_idx[by_expert]]
@@ -126,8 +133,9 @@ def route(logits_TE: torch.Tensor, cfg: MoEConfig, expert_bias_E: torch.Tensor |
     if T > 0 and cfg.aux_loss_coeff > 0:
         # Switch/GShard: E * sum_e f_e * P_e; f = fraction of routed slots, P = mean probability.
         probs_TE = scores_TE if cfg.score_func == "softmax" else scores_TE / scores_TE.sum(-1, keepdim=True)
-        routed = topk_idx_TK[topk_idx_TK >= 0]
-        f_E = torch.bincount(routed, minlength=E).to(probs_TE.dtype) / (n_tok * K if w_T is not None else max(T * K, 1))
+        routed_TK = torch.where(topk_idx_TK >= 0, topk_idx_TK, E)  # -1 slots in an extra bin E, left out
+        f_E = _bin_counts(routed_TK.reshape(-1), E + 1)[:E].to(probs_TE.dtype) \
+            / (n_tok * K if w_T is not None else max(T * K, 1))
         P_E = probs_TE.mean(0) if w_T is None else (probs_TE * w_T[:, None]).sum(0) / n_tok
         aux = aux + cfg.aux_loss_coeff * E * (f_E * P_E).sum()
     if T > 0 and cfg.z_loss_coeff > 0:
@@ -137,6 +145,38 @@ def route(logits_TE: torch.Tensor, cfg: MoEConfig, expert_bias_E: torch.Tensor |
         scores_TE = scores_TE.masked_fill(~keep_T1, 0.0)
     return RouterOutput(topk_idx_TK=topk_idx_TK, topk_weight_TK=topk_weight_TK, scores_TE=scores_TE, aux_loss=aux,
                         logits_TE=given_TE, token_mask_T=token_mask_T)
+
+
+class _RouterLogits(torch.autograd.Function):
+    """logits = x.to(acc) @ weight.to(acc).T, saving x and the weight in their own dtypes: the acc copy of
+    x that F.linear would keep (a bf16 x: 2x its bytes in float32) is cast again in backward instead.
+    Forward and gradients are bit-identical to autograd through ``F.linear(x.to(acc), w.to(acc))``: the
+    same GEMMs in the same layouts (mm's backward: g @ w, g.T @ x), then the casts' backward (to the
+    input dtype). Autocast is off in backward as in forward."""
+
+    @staticmethod
+    def forward(ctx, x_TH, w_EH, acc):
+        ctx.acc = acc
+        ctx.save_for_backward(x_TH, w_EH)
+        return F.linear(x_TH.to(acc), w_EH.to(acc))
+
+    @staticmethod
+    def backward(ctx, g_TE):
+        x_TH, w_EH = ctx.saved_tensors
+        acc = ctx.acc
+        gx = gw = None
+        with _autocast_off(g_TE.device.type):
+            if ctx.needs_input_grad[0]:
+                gx = (g_TE @ w_EH.to(acc)).to(x_TH.dtype)
+            if ctx.needs_input_grad[1]:
+                g_NE = g_TE.reshape(-1, g_TE.shape[-1])
+                gw = (g_NE.mT @ x_TH.reshape(-1, x_TH.shape[-1]).to(acc)).to(w_EH.dtype)
+        return gx, gw, None
+
+
+def _autocast_off(device_type: str):
+    return torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type) \
+        else contextlib.nullcontext()
 
 
 class Router(nn.Module):
@@ -167,11 +207,8 @@ class Router(nn.Module):
         Under ``torch.autocast`` the logits stay in the router dtype and the scores and weights in float32:
         autocast is off inside (it would compute the matmul in its own dtype)."""
         acc = self.cfg.router_dtype or (torch.float64 if x_TH.dtype == torch.float64 else torch.float32)
-        device_type = x_TH.device.type
-        off = torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type) \
-            else contextlib.nullcontext()
-        with off:
-            logits_TE = F.linear(x_TH.to(acc), self.weight.to(acc))
+        with _autocast_off(x_TH.device.type):
+            logits_TE = _RouterLogits.apply(x_TH, self.weight, acc)
             return route(logits_TE, self.cfg, self.expert_bias, token_mask_T)
 
 

@@ -22,7 +22,9 @@ from moe_comm.comm.collectives import (REBUILD, CollectiveError, check_usable, g
 from moe_comm.comm.wire import (HEADER_WORDS, MAGIC, MESSAGE_WORDS, PHASE_TEXT, Failure, Phase, ProtocolError, Word,
                                 decode_message, describe_position, dtype_name, encode_message, positions)
 
-__all__ = ["Channel", "Pending", "PeerFailed", "next_index"]
+__all__ = ["Channel", "Pending", "PeerFailed", "next_index", "MAX_DEFERRED", "read_deferred"]
+
+MAX_DEFERRED = 64  # unread exchanges a Channel keeps; older ones are checked on the device (Channel.defer)
 
 _indices: Dict[str, itertools.count] = {}
 
@@ -51,6 +53,7 @@ class Pending:
     failed: Failure
     call: int
     start: object = None
+    waited: bool = False
 
 
 class Channel:
@@ -70,7 +73,8 @@ class Channel:
         self.width = HEADER_WORDS + MESSAGE_WORDS + slots
         self.call = 0  # advanced by the Dispatcher once per call, identically on every rank
         self.timeline = None  # the owner's Timeline: exchanges are comm spans "counts" / "control"
-        self.deferred: List[Pending] = []  # end-of-phase exchanges read with the next one (end_check="deferred")
+        self.deferred: List[Pending] = []  # exchanges read with the next one (end_check="deferred", sync-free mode)
+        self.folded = None  # (device int64 flag, first call, last call) of exchanges checked on the device
 
     def begin(self, phase: Phase, hdr: List[int], *, dynamic: Optional[torch.Tensor] = None,
               slots_WS: Optional[torch.Tensor] = None, local_error: Optional[BaseException] = None,
@@ -80,6 +84,8 @@ class Channel:
         counts; local_error / failed: this rank's failure, sent to every peer with its message."""
         check_usable(self.group, self.rank)
         W, dev = self.world, self.device
+        if W == 1 and dynamic is not None:
+            dev = dynamic.device  # one process: no collective; stay on the rows' device (no copy to the host)
         hdr = list(hdr)
         hdr[Word.FAILED] = int(failed)
         message = None if local_error is None else f"{type(local_error).__name__}: {local_error}"
@@ -105,18 +111,37 @@ class Channel:
         this rank sent to rank w, received[w] what rank w sent here (header, message, slots). Raises on
         every rank alike (see ``_check``). Deferred end-of-phase exchanges are waited for and checked first,
         in the same host read. ``pending`` None: only the deferred ones."""
+        taken = self._take(pending)
+        values = torch.cat(taken[2]).tolist() if taken[2] else []  # host sync: the phase's one read
+        return self._verify(taken, values)
+
+    def _take(self, pending: Optional[Pending]):
+        """Everything the next read checks: (pending, deferred ones, flat tensors, folded flag)."""
         earlier, self.deferred = self.deferred, []
         todo = earlier + ([] if pending is None else [pending])
         for p in todo:
-            wait_work(p.work, PHASE_TEXT[p.phase], timeout=self.timeout, rank=self.rank, direction=_direction(p.phase),
-                      what="control exchange", group=self.group, where=p.where)
+            self.wait(p)
         if self.timeline is not None and pending is not None:
             span = "counts" if pending.phase in (Phase.FORWARD, Phase.DISPATCH) else "control"
             self.timeline.comm(span, None, direction=_direction(pending.phase), start=pending.start)
-        if not todo:
-            return [], []
-        both = torch.cat([t for p in todo for t in (p.send_WX, p.recv_WX)]).tolist()  # host sync: the phase's one read
-        W = self.world
+        folded, self.folded = self.folded, None
+        flat = [t.reshape(-1) for p in todo for t in (p.send_WX, p.recv_WX)]
+        if folded is not None:
+            flat.append(folded[0].reshape(1))
+        return pending, earlier, flat, folded
+
+    def _verify(self, taken, values: List[int]) -> Tuple[List[List[int]], List[List[int]]]:
+        pending, earlier, _, folded = taken
+        todo = earlier + ([] if pending is None else [pending])
+        if folded is not None and values.pop():
+            first, last = folded[1], folded[2]
+            raise PeerFailed(f"moe_comm: EP rank {self.rank}: an EP rank failed or disagreed in an exchange of calls "
+                             f"{first}..{last} (dispatcher {self.index}), older than the last {MAX_DEFERRED} unread "
+                             "exchanges (sync-free mode: read them sooner with check()); the failing rank raised its "
+                             "own error then")
+        X, W = self.width, self.world
+        both = [values[i * X:(i + 1) * X] for i in range(len(values) // X)]
+        sent, rows = [], []
         for i, p in enumerate(todo):
             sent, rows = both[2 * i * W:(2 * i + 1) * W], both[(2 * i + 1) * W:(2 * i + 2) * W]
             try:
@@ -130,9 +155,43 @@ class Channel:
                 raise
         return sent, rows
 
+    def wait(self, pending: Pending) -> None:
+        """Wait for the exchange without reading it (on NCCL the compute stream waits: no host sync)."""
+        if not pending.waited:
+            wait_work(pending.work, PHASE_TEXT[pending.phase], timeout=self.timeout, rank=self.rank,
+                      direction=_direction(pending.phase), what="control exchange", group=self.group,
+                      where=pending.where)
+            pending.waited = True
+
     def defer(self, pending: Pending) -> None:
-        """Check this end-of-phase exchange with the next read instead of now (no host sync of its own)."""
+        """Check this exchange with the next read instead of now (no host sync of its own). At most
+        MAX_DEFERRED stay unread; older ones are checked on the device and folded into one flag (read with
+        the next read), so a sync-free run that never reads holds a fixed amount of memory."""
         self.deferred.append(pending)
+        if len(self.deferred) > MAX_DEFERRED:
+            self._fold(self.deferred.pop(0))
+
+    def forget(self, call: int) -> None:
+        """Drop the unread exchanges of ``call`` (this rank failed in it and raised its own error already)."""
+        for p in self.deferred:
+            if p.call == call:
+                self.wait(p)  # completed before its tensors are let go (NCCL: a stream wait)
+        self.deferred = [p for p in self.deferred if p.call != call]
+
+    def _fold(self, p: Pending) -> None:
+        """Device-side check of one exchange: any failure, foreign row or disagreement sets the flag."""
+        self.wait(p)
+        rows, own = p.recv_WX, p.send_WX[0]
+        bad = (rows[:, Word.MAGIC] != MAGIC) | (rows[:, Word.CALL] != p.call) | (rows[:, Word.PHASE] != p.phase)
+        bad |= (rows[:, Word.DISPATCHER] != self.index) | (rows[:, Word.FAILED] != Failure.NONE)
+        bad |= (rows[:, Word.BAD_IDS] > 0) | (rows[:, Word.NONFINITE] > 0)
+        for w in (Word.WORLD, Word.EXPERTS, Word.CHUNKS, Word.ROW_BYTES, Word.TOP_K, Word.DTYPE, Word.CONFIG):
+            bad |= (rows[:, w] != own[w]) & (rows[:, w] >= 0) & (own[w] >= 0)
+        flag = bad.any().to(torch.int64)
+        if self.folded is None:
+            self.folded = (flag, p.call, p.call)
+        else:
+            self.folded = (self.folded[0] | flag, self.folded[1], p.call)
 
     def _check(self, pending: Pending, rows: List[List[int]]) -> None:
         rank = self.rank
@@ -157,6 +216,7 @@ class Channel:
         for word, what, fmt in ((Word.WORLD, "EP world size", str), (Word.EXPERTS, "num_experts", str),
                                 (Word.CHUNKS, "num_chunks of this call", str),
                                 (Word.ROW_BYTES, "row bytes (H x element size)", str),
+                                (Word.TOP_K, "top_k (the routing's slots per token)", str),
                                 (Word.DTYPE, "dtype", dtype_name), (Word.CONFIG, "Dispatcher settings (hash)", hex)):
             known = [(r, row[word]) for r, row in enumerate(rows) if row[word] >= 0 or word == Word.CONFIG]
             text = disagreement(what, [v for _, v in known], fmt)
@@ -200,3 +260,21 @@ def _direction(phase: Phase) -> str:
 def as_collective_error(err: BaseException) -> bool:
     """True for errors after which the group cannot be trusted (the transport failed)."""
     return isinstance(err, (CollectiveError, ProtocolError))
+
+
+def read_deferred(channels: List["Channel"]) -> None:
+    """Check the deferred exchanges of several channels with one host read (per device); raises the first
+    failure, in channel order, on every rank alike. Used by ``moe_comm.check``."""
+    taken = [c._take(None) for c in channels]
+    by_device: Dict[torch.device, List[torch.Tensor]] = {}
+    for t in taken:
+        for x in t[2]:
+            by_device.setdefault(x.device, []).append(x)
+    values = {dev: torch.cat(xs).tolist() for dev, xs in by_device.items()}  # host sync: one read per device
+    for c, t in zip(channels, taken):
+        if not t[2]:
+            continue
+        vals = values[t[2][0].device]
+        n = sum(x.numel() for x in t[2])
+        c._verify(t, vals[:n])
+        del vals[:n]

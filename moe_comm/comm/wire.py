@@ -47,7 +47,7 @@ class Word(enum.IntEnum):
     NONFINITE = 12  # rows holding NaN/Inf (strict mode)
     ROWS = 13       # N: rows this rank sends in this call
     CHUNK = 14      # chunk where a failure happened (-1: before the first exchange)
-    RESERVED = 15
+    TOP_K = 15      # K of the call's routing (sync-free mode sizes its fixed exchanges by it; -1: not sent)
 
 
 class Phase(enum.IntEnum):
@@ -99,14 +99,14 @@ def dtype_name(code: int) -> str:
 
 def header(phase: Phase, *, dispatcher: int, call: int, chunks: int, experts: int, world: int,
            row_bytes: int = -1, dtype: int = -1, config: int = 0, failed: Failure = Failure.NONE,
-           chunk: int = -1) -> List[int]:
+           chunk: int = -1, top_k: int = -1) -> List[int]:
     """The host-known header words as [HEADER_WORDS] host ints (BAD_IDS, NONFINITE and ROWS are 0 here;
     device-computed counts are added on the device by the channel)."""
     words = [0] * HEADER_WORDS
     words[Word.MAGIC], words[Word.DISPATCHER], words[Word.CALL], words[Word.PHASE] = MAGIC, dispatcher, call, phase
     words[Word.CHUNKS], words[Word.EXPERTS], words[Word.WORLD] = chunks, experts, world
     words[Word.ROW_BYTES], words[Word.DTYPE], words[Word.CONFIG] = row_bytes, dtype, config
-    words[Word.FAILED], words[Word.CHUNK] = int(failed), chunk
+    words[Word.FAILED], words[Word.CHUNK], words[Word.TOP_K] = int(failed), chunk, top_k
     return words
 
 

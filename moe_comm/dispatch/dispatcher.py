@@ -25,8 +25,9 @@ from moe_comm.comm.channel import Channel, next_index
 from moe_comm.comm.collectives import group_device, group_rank, group_size, resolve_group
 from moe_comm.comm.wire import HEADER_WORDS, MESSAGE_WORDS, Failure, Phase, Word, dtype_code, header
 from moe_comm.dispatch.autotune import AutoChunker, PipelinePlan, chunk_overhead, now
-from moe_comm.dispatch.plan import ChunkPlan, DispatchHandle, DispatchOutput, build_chunk_plans
-from moe_comm.dispatch.transport import choose
+from moe_comm.dispatch.plan import (ChunkPlan, DispatchHandle, DispatchOutput, build_chunk_plans,
+                                    padded_expert_major_index)
+from moe_comm.dispatch.transport import AllToAll, Local, choose
 from moe_comm.dispatch.workspace import shared_workspace
 from moe_comm.kernels import BACKENDS, select_backend
 from moe_comm.profiling import Timeline
@@ -75,6 +76,17 @@ class Dispatcher:
             or the next call), keeping the forward at one host sync; a failure mid-call then returns
             placeholder rows on every rank and raises on every rank at that next read (before any gradient
             is produced in training). ``check()`` reads it now.
+        max_tokens_per_rank: M, turns on the sync-free mode of ``__call__`` (C = 1): every exchange has a
+            fixed size (W x M x K rows of H per direction, padded with zeros), so a call reads nothing on
+            the host after the first (which agrees on H, dtype and K: one read) - no host sync in forward or
+            backward, the shape a CUDA graph can capture. The counts travel in the control exchange and stay
+            on the device; ``expert_fn`` gets padded rows (see ``__call__``). A rank with more than M tokens,
+            or another H, dtype or K than its first call, is rejected: it raises at once and moves zero rows
+            so its peers never wait; the peers, whose reads are all deferred, raise at their next read:
+            ``check()`` (one host sync; in training call it after the forward, before the backward, so a
+            failure never reaches the gradients). Costs: W x M x K x H x element size bytes per direction
+            on the wire and as buffers, whatever the routing; ``dispatch``/``combine`` are not available.
+            None (default): dropless, exact sizes (one host read per forward).
 
     Construction is collective when W > 1: every rank must build its Dispatchers on a group in the same
     order with the same E, max_chunks, strict and direct_min_bytes (checked: every rank raises naming
@@ -85,7 +97,8 @@ class Dispatcher:
     def __init__(self, num_experts: int, ep_group: Optional[dist.ProcessGroup] = None, num_chunks=1,
                  *, backend: str = "auto", strict: bool = False, timeout: Optional[float] = None,
                  direct_min_bytes: Optional[int] = None, max_chunks: Optional[int] = None,
-                 end_check: Optional[str] = None, allow_single_process: bool = False):
+                 end_check: Optional[str] = None, allow_single_process: bool = False,
+                 max_tokens_per_rank: Optional[int] = None):
         self.group = resolve_group(ep_group, name="Dispatcher: ep_group", allow_single_process=allow_single_process)
         self.world_size = group_size(self.group)
         self.rank = group_rank(self.group)
@@ -109,6 +122,11 @@ class Dispatcher:
                 check_int("Dispatcher: direct_min_bytes", direct_min_bytes, 0)
             if end_check is not None:
                 check_choice("Dispatcher: end_check", end_check, ("eager", "deferred"))
+            if max_tokens_per_rank is not None:
+                check_int("Dispatcher: max_tokens_per_rank", max_tokens_per_rank, 1)
+                if num_chunks != 1:
+                    raise ValueError(f"Dispatcher: max_tokens_per_rank (the sync-free mode) needs num_chunks=1, got "
+                                     f"num_chunks={num_chunks!r}")
         except (TypeError, ValueError) as err:
             local_error = err
             max_chunks = max_chunks if isinstance(max_chunks, int) else MAX_CHUNKS
@@ -119,8 +137,10 @@ class Dispatcher:
             direct_min_bytes = DIRECT_MIN_BYTES_CPU if device_type == "cpu" else NEVER
         if end_check not in ("eager", "deferred"):
             end_check = "eager" if device_type == "cpu" else "deferred"
+        if max_tokens_per_rank is not None and not isinstance(max_tokens_per_rank, int):
+            max_tokens_per_rank = -1  # rejected above; a comparable value for the agreement
         settings = dict(index=self.index, num_experts=num_experts, max_chunks=max_chunks, strict=bool(strict),
-                        direct_min_bytes=direct_min_bytes, end_check=end_check)
+                        direct_min_bytes=direct_min_bytes, end_check=end_check, max_tokens_per_rank=max_tokens_per_rank)
         agree(self.group, settings, what="Dispatcher", local_error=local_error)
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.world_size
@@ -136,8 +156,18 @@ class Dispatcher:
         self.workspace = shared_workspace()  # scratch rows of the transfers, one set per process (CPU)
         self.auto = AutoChunker(self.group, self.channel.device)
         self.last_transport = ""  # name of the Transport the last call used ("all_to_all", "point_to_point", ...)
+        self.max_tokens_per_rank = max_tokens_per_rank
+        # The last call raised on this rank while its peers, whose reads are deferred, returned placeholder rows
+        # (they raise at their next read): a caller with collectives of its own after the call issues them anyway.
+        self.failed_alone = False
+        self._agreed = None  # sync-free mode: (H, dtype, K) every rank agreed on in its first call
 
     # ---------------------------------------------------------------- properties
+    @property
+    def sync_free(self) -> bool:
+        """``max_tokens_per_rank`` is set: fixed-size exchanges, no host read after the first call."""
+        return self.max_tokens_per_rank is not None
+
     @property
     def plan(self) -> Optional[PipelinePlan]:
         """The final num_chunks="auto" plan (None until the trials are done)."""
@@ -163,9 +193,9 @@ class Dispatcher:
         return self._transports[kind]
 
     # ---------------------------------------------------------------- the control exchange of a call
-    def _header(self, phase: Phase, call: int, C: int, row_bytes: int = -1, dtype: int = -1) -> list:
+    def _header(self, phase: Phase, call: int, C: int, row_bytes: int = -1, dtype: int = -1, top_k: int = -1) -> list:
         return header(phase, dispatcher=self.index, call=call, chunks=C, experts=self.num_experts,
-                      world=self.world_size, row_bytes=row_bytes, dtype=dtype, config=self.config_hash)
+                      world=self.world_size, row_bytes=row_bytes, dtype=dtype, config=self.config_hash, top_k=top_k)
 
     def _check_inputs(self, x_TH, topk_idx_TK, C) -> None:
         check_tensor("x_TH", x_TH, dim=2, floating=True)
@@ -188,6 +218,8 @@ class Dispatcher:
                 self._check_inputs(x_TH, topk_idx_TK, C)
                 if extra_check is not None:
                     extra_check()
+                if self.world_size == 1 and self.timeline.device != x_TH.device:
+                    self.timeline.device = x_TH.device  # no group to say where the work runs: the rows do
                 with self.timeline.compute("layout"):
                     layout = ops.make_layout(topk_idx_TK, self.num_experts, num_ranks=self.world_size,
                                              num_chunks=C, backend=self.backend)
@@ -205,7 +237,8 @@ class Dispatcher:
             nonfinite = torch.zeros_like(layout.num_invalid)
         dynamic = torch.stack([layout.num_invalid, nonfinite, layout.counts_CWe.sum()])
         slots_WS = rearrange(layout.counts_CWe, "c w e -> w (c e)")
-        pending = self.channel.begin(phase, self._header(phase, call, C, row_bytes, dtype_code(x_TH.dtype)),
+        top_k = topk_idx_TK.shape[1] if self.sync_free else -1  # sync-free rows are sized by K: agreed
+        pending = self.channel.begin(phase, self._header(phase, call, C, row_bytes, dtype_code(x_TH.dtype), top_k),
                                      dynamic=dynamic, slots_WS=slots_WS)
         return pending, layout
 
@@ -234,7 +267,8 @@ class Dispatcher:
                          deferrable: bool = False):
         """A control exchange without counts (end of a phase, combine, a backward): raises on every rank
         when any rank failed or is elsewhere; ``deferrable`` end-of-phase exchanges are only issued when
-        ``end_check="deferred"`` (read with the next one). One process: only this rank's own error."""
+        ``end_check="deferred"`` (read with the next one); in sync-free mode every one is. One process:
+        only this rank's own error."""
         if self.world_size == 1:
             if error is not None:
                 raise error
@@ -243,7 +277,7 @@ class Dispatcher:
         hdr[Word.CHUNK] = chunk
         with self.workspace.dropped_on_error():
             pending = self.channel.begin(phase, hdr, local_error=error, failed=failed)
-            if deferrable and self.end_check == "deferred":
+            if self.sync_free or (deferrable and self.end_check == "deferred"):
                 self.channel.defer(pending)
             else:
                 self.channel.end(pending)
@@ -251,8 +285,9 @@ class Dispatcher:
     @_graph_break
     def check(self) -> None:
         """Collective: read the deferred end-of-phase exchanges now (``end_check="deferred"``); raises on every
-        rank if a rank failed in the last call. A no-op when nothing is deferred (on every rank alike)."""
-        if self.channel.deferred:
+        rank if a rank failed in the last call (sync-free mode: in any call since the last read). A no-op when
+        nothing is deferred (on every rank alike)."""
+        if self.channel.deferred or self.channel.folded is not None:
             with self.workspace.dropped_on_error():
                 self.channel.end(None)
 
@@ -267,6 +302,7 @@ class Dispatcher:
         Returns: DispatchOutput with tokens [R, H] expert-major, tokens_per_expert [e] int64 and
             the handle for ``combine``. Differentiable w.r.t. x_TH. One host sync (the control exchange).
         """
+        self._no_sync_free("dispatch()")
         pending, layout = self._open(Phase.DISPATCH, x_TH, topk_idx_TK, 1)
         send_SH = None
         if layout is not None and self.world_size > 1:
@@ -311,6 +347,7 @@ class Dispatcher:
         Returns: y_TH [T, H] in expert_out's dtype. Differentiable w.r.t. both inputs. Every rank checks
         its arguments in a control exchange before rows move (a bad argument on one rank raises on all).
         """
+        self._no_sync_free("combine()")
         if not isinstance(handle, DispatchHandle):
             raise TypeError(f"handle must be the DispatchHandle from dispatch(), got {type(handle).__name__}")
         if handle.owner != id(self):
@@ -354,10 +391,24 @@ class Dispatcher:
                 given, the call returns ``(y_TH, side_fn())``.
         Returns: y_TH [T, H], equal for every C (chunking only changes when rows move). An exception in
         expert_fn or side_fn on any rank raises on every rank (``PeerFailed`` on the others), after the
-        call's remaining exchanges completed: no rank returns a value from a failed call.
+        call's remaining exchanges completed: with end_check="eager" no rank returns a value from a failed
+        call; with "deferred" every rank returns placeholder rows and raises at its next read; in the
+        sync-free mode the failing rank raises at once, the others at ``check()``.
+
+        Sync-free mode (``max_tokens_per_rank``): tokens_RH holds W x M x K rows, expert-major with each
+        expert's rows first and padding (zero rows) after the last; tokens_per_expert_e is on the device
+        only. An expert_fn with ``supports_padded = True`` (GroupedExperts) is called with ``padded=True``;
+        any other must treat rows past tokens_per_expert_e.sum() as padding without reading the counts on
+        the host (a host read works, but is the sync this mode exists to avoid).
         """
         from moe_comm.dispatch.pipeline import run_pipeline
 
+        self.failed_alone = False
+        if self.sync_free:
+            if num_chunks not in (None, 1):
+                raise ValueError(f"num_chunks must be 1 (or None) in sync-free mode (max_tokens_per_rank), "
+                                 f"got {num_chunks!r}")
+            return self._call_sync_free(x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn)
         C, measure, trial = self.num_chunks if num_chunks is None else num_chunks, False, False
         if C == "auto":
             C, measure, trial = self.auto.step()
@@ -388,12 +439,82 @@ class Dispatcher:
         """Reject this rank's input collectively: join the forward's control exchange with ``error`` so every
         rank raises (naming this one) instead of waiting in the exchange. Always raises.
         ``device`` is accepted for compatibility and unused (exchanges use the group's device)."""
+        self.failed_alone = False
+        if self.sync_free:
+            self._call_sync_free(None, None, None, None, None, local_error=error)
         C = self.num_chunks if num_chunks is None else num_chunks
         if C == "auto":
             C = self.auto.step()[0]
         pending, _ = self._open(Phase.FORWARD, None, None, C, local_error=error)
         self.channel.end(pending)
         raise error  # not reached: the exchange raises on every rank
+
+
+    # ---------------------------------------------------------------- sync-free mode
+    def _no_sync_free(self, what: str) -> None:
+        if self.sync_free:  # the same on every rank (agreed when built): no exchange is left waiting
+            raise ValueError(f"{what} is not available in sync-free mode (max_tokens_per_rank="
+                             f"{self.max_tokens_per_rank}): it sizes its rows from counts read on the host; use "
+                             "the pipelined call (Dispatcher.__call__ / MoELayer)")
+
+    def _call_sync_free(self, x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn, local_error=None):
+        """``__call__`` with fixed-size exchanges (see ``max_tokens_per_rank``). Token path: make_layout ->
+        control exchange issued (counts, header) -> pad_layout: rows for rank w at [w*P, w*P + count), P = M*K
+        -> permute into W*P rows -> the pipeline (C = 1) moves all W*P rows each way; the receiver regroups them
+        expert-major with the counts from the exchange, on the device -> unpermute over the padded layout."""
+        from moe_comm.dispatch.pipeline import run_pipeline
+
+        W, e, M, agreed = self.world_size, self.num_local_experts, self.max_tokens_per_rank, self._agreed
+
+        def extra_check():
+            check_call_args(x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn)
+            T, H = x_TH.shape
+            if T > M:
+                raise ValueError(f"x_TH has T = {T} tokens, more than max_tokens_per_rank = {M} (sync-free mode sizes "
+                                 "every exchange by it)")
+            now_ = (H, x_TH.dtype, topk_idx_TK.shape[1])
+            if agreed is not None and now_ != agreed:
+                raise ValueError(f"sync-free mode: (H, dtype, top_k) must stay as in the first call, {agreed}, got "
+                                 f"{now_}; build another Dispatcher for another shape")
+
+        pending, layout = self._open(Phase.FORWARD, x_TH, topk_idx_TK, 1, local_error=local_error,
+                                     extra_check=extra_check)
+        if layout is None and (W == 1 or agreed is None):
+            self.channel.end(pending)  # raises on every rank
+        if W > 1 and agreed is None:
+            self.channel.end(pending)  # the first call reads once: every rank raises alike on a disagreement
+        elif W > 1:
+            self.channel.wait(pending)  # the counts below are used on the device (NCCL: a stream wait)
+            self.channel.defer(pending)
+        if layout is not None:
+            self._agreed = (x_TH.shape[1], x_TH.dtype, topk_idx_TK.shape[1])
+        H, dtype, K = self._agreed
+        P = M * K  # rows per destination rank: >= T*K, so no routing can overflow it
+        base = HEADER_WORDS + MESSAGE_WORDS
+        counts_We = layout.counts_CWe[0] if W == 1 else pending.recv_WX[:, base:base + e]  # rows per (source, expert)
+        plan = ChunkPlan(chunk=0, call=pending.call, send_We=[[P] + [0] * (e - 1)] * W,
+                         recv_We=[[P] + [0] * (e - 1)] * W, row_offset=0, tokens_per_expert_e=counts_We.sum(0),
+                         counts_e=None)
+        if W > 1 and layout is not None:
+            plan.expert_index_R, plan.source_index_R = padded_expert_major_index(counts_We, P)
+        kind = Local if W == 1 else AllToAll  # equal splits: P rows to and from every rank
+        self.last_transport = kind.name
+        lay = None if layout is None else ops.pad_layout(layout, P)
+        handle = DispatchHandle(layout=lay, chunks=[plan], call=pending.call, hidden_size=H,
+                                transport=self.transport(kind), owner=id(self))
+        keep = topk_weight_TK is not None and torch.is_grad_enabled() and topk_weight_TK.requires_grad
+        with self.timeline.compute("permute"):
+            out = None if W == 1 else self.workspace.rows("send", W * P, H, x_TH if layout is not None else
+                                                          torch.empty(0, H, dtype=dtype, device=self.channel.device))
+            if layout is None:  # rejected on this rank: zero rows of the agreed size keep every peer's exchange
+                x_NH = out.zero_()
+            else:
+                x_NH = ops.permute(x_TH, lay, backend=self.backend, out=out)
+        y_NH, side_out, _ = run_pipeline(self, handle, x_NH, expert_fn, side_fn, keep_output=keep,
+                                         failed=pending.local_error)
+        with self.timeline.compute("unpermute"):
+            y_TH = ops.unpermute(y_NH, lay, topk_weight_TK, backend=self.backend)
+        return y_TH if side_fn is None else (y_TH, side_out)
 
 
 def check_weights(topk_weight_TK, shape, device) -> None:

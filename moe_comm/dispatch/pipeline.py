@@ -13,8 +13,11 @@ schedule cannot deadlock whatever the routing.
 Failures: an exception in side_fn, expert_fn, a regroup kernel or the expert backward on one rank
 does not leave the schedule: that rank sends placeholder rows for the chunks left (the sizes every
 rank agreed on), and the end-of-phase control exchange carries its error to every rank, which all
-raise (``PeerFailed`` on the others, its own error on it). No rank returns a value from a failed
-call. A failed or timed-out transfer (CollectiveError) poisons the group instead: see ``moe_comm.comm``.
+raise (``PeerFailed`` on the others, its own error on it): at once with end_check="eager"; with
+"deferred", every rank returns placeholder rows from a failed forward and all raise at their next read
+(the backward's check-in), so they stay in step; in the sync-free mode the failing rank raises at once
+and its peers at ``check()``. A failed or timed-out transfer (CollectiveError) poisons the group
+instead: see ``moe_comm.comm``.
 
 The experts' own backward runs as a nested ``torch.autograd.backward`` per chunk (as reentrant
 activation checkpointing does): any differentiable ``expert_fn`` gets correct gradients, which are
@@ -58,6 +61,7 @@ class _Run:
     side_out: Optional[torch.Tensor] = None
     expert_io: List = field(default_factory=list)  # per chunk: (tokens_in_RH leaf, out_RH) or None
     backward_done: bool = False
+    failed: Optional[BaseException] = None  # this rank's input was rejected: take part with placeholder rows
 
 
 class _Failure:
@@ -84,8 +88,15 @@ class _Failure:
         """The end-of-phase control exchange: raises on every rank if any rank failed."""
         failed = Failure.NONE if self.error is None else Failure.RAISED
         d._exchange_status(phase, handle, self.error, failed, chunk=self.chunk, deferrable=True)
-        if self.error is not None:  # end_check="deferred": this rank raises now, its peers at their next read
+        if self.error is None:
+            return
+        if d.sync_free:  # raises now; its peers at check(), which reads only completed exchanges
+            d.failed_alone = True
+            d.channel.forget(handle.call)  # its own failure words: not raised a second time at its next read
             raise self.error
+        if phase == Phase.FORWARD_END:
+            return  # end_check="deferred": placeholder rows like its peers; every rank raises at the next read
+        raise self.error  # a backward: no rank's optimizer should see these gradients, this one's at least
 
 
 def _wait(inflight, failure: _Failure, chunk: int, rows: int, like: torch.Tensor) -> torch.Tensor:
@@ -120,22 +131,25 @@ class _PipelinedExperts(torch.autograd.Function):
             error = RuntimeError("moe_comm pipeline: double backward (create_graph=True) is not supported: the "
                                  "experts' gradient is computed by a nested backward")
         # Every rank checks in before gradient rows move: a rank that skipped this backward, or rejects it,
-        # is named on every rank.
+        # is named on every rank. Sync-free mode defers the read: a rank that rejects it still moves
+        # placeholder rows, then raises; the others raise at their next read.
         d._exchange_status(Phase.BACKWARD, run.handle, error, Failure.NONE if error is None else Failure.REJECTED)
         run.backward_done = True
         with d.workspace.dropped_on_error():
-            return _backward(run, grad_y_NH.contiguous()), None, None
+            return _backward(run, grad_y_NH.contiguous(), failed=error), None, None
 
 
 def _schedule(run: _Run, src_NH: torch.Tensor, out_NH: torch.Tensor, compute, phases: Tuple[str, str],
-              direction: str, end: Phase, before=None) -> torch.Tensor:
+              direction: str, end: Phase, before=None, failed: Optional[BaseException] = None) -> torch.Tensor:
     """The one chunk schedule, forward and backward: rows of chunk c go to the experts' ranks (phases[0]),
     ``compute(c, rows_RH)`` runs there, its result goes back into ``out_NH`` (phases[1]); chunk c+1 travels
     while chunk c computes. ``before()`` runs while chunk 0 travels. A failure on this rank keeps the schedule
-    with placeholder rows and is raised on every rank by the end-of-phase exchange ``end``."""
+    with placeholder rows and is raised on every rank by the end-of-phase exchange ``end``; ``failed``: this
+    rank failed before the schedule (placeholder rows from the start)."""
     d, handle = run.dispatcher, run.handle
     transport, chunks = handle.transport, handle.chunks
     failure = _Failure()
+    failure.error = failed
     to_experts, back = [None] * len(chunks), []
 
     def issue(c: int) -> None:
@@ -186,10 +200,10 @@ def _forward(run: _Run, x_NH: torch.Tensor) -> torch.Tensor:
 
     run.expert_io = [None] * len(chunks)
     return _schedule(run, x_NH, y_NH, experts, ("dispatch", "combine"), "fwd", Phase.FORWARD_END,
-                     before=side if run.side_fn is not None else None)
+                     before=side if run.side_fn is not None else None, failed=run.failed)
 
 
-def _backward(run: _Run, grad_y_NH: torch.Tensor) -> torch.Tensor:
+def _backward(run: _Run, grad_y_NH: torch.Tensor, failed: Optional[BaseException] = None) -> torch.Tensor:
     # The gradient of combine goes the dispatch way (to the experts' ranks), the input gradient comes back.
     tl = run.dispatcher.timeline
 
@@ -203,21 +217,24 @@ def _backward(run: _Run, grad_y_NH: torch.Tensor) -> torch.Tensor:
             return g_in.to(grad_y_NH.dtype)
 
     grad_x_NH = torch.empty_like(grad_y_NH)
-    out = _schedule(run, grad_y_NH, grad_x_NH, experts_backward, ("combine", "dispatch"), "bwd", Phase.BACKWARD_END)
+    out = _schedule(run, grad_y_NH, grad_x_NH, experts_backward, ("combine", "dispatch"), "bwd", Phase.BACKWARD_END,
+                    failed=failed)
     run.expert_io = []
     return out
 
 
 def run_pipeline(dispatcher, handle, x_NH: torch.Tensor, expert_fn: Callable,
                  side_fn: Optional[Callable[[], torch.Tensor]] = None, measure: bool = False,
-                 keep_output: bool = True) -> Tuple[torch.Tensor, Optional[torch.Tensor], float]:
-    """Pipelined dispatch -> expert_fn -> combine of the permuted rows ``x_NH`` [N, H].
+                 keep_output: bool = True, failed: Optional[BaseException] = None
+                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], float]:
+    """Pipelined dispatch -> expert_fn -> combine of the permuted rows ``x_NH`` [N, H]. ``failed``: this
+    rank's input was rejected; it moves placeholder rows through the whole schedule, then raises ``failed``.
 
     Returns (y_NH [N, H] combined rows in x_NH's order, side_fn's result or None, expert seconds
     when ``measure`` else 0).
     """
     run = _Run(dispatcher=dispatcher, handle=handle, expert_fn=expert_fn, side_fn=side_fn,
-               grad_enabled=torch.is_grad_enabled(), measure=measure, keep_output=keep_output)
+               grad_enabled=torch.is_grad_enabled(), measure=measure, keep_output=keep_output, failed=failed)
     # The anchor makes the output require grad whenever grad mode is on, so backward runs (and the
     # experts get their gradients) even when x itself needs none, e.g. the first layer's input.
     anchor = torch.empty(0, device=x_NH.device, requires_grad=True) if run.grad_enabled else None

@@ -12,7 +12,8 @@ from einops import rearrange
 
 from moe_comm.ops.layout import Layout
 
-__all__ = ["ChunkPlan", "DispatchHandle", "DispatchOutput", "build_chunk_plans", "expert_major_index"]
+__all__ = ["ChunkPlan", "DispatchHandle", "DispatchOutput", "build_chunk_plans", "expert_major_index",
+           "padded_expert_major_index"]
 
 
 @dataclass
@@ -23,7 +24,8 @@ class ChunkPlan:
     row_offset, num_rows: this chunk's slice of the permuted rows (sent side).
     expert_index_R: received row of each expert-major row; source_index_R its inverse (None when no
         regroup is needed: e = 1, one rank, or the point-to-point transport).
-    tokens_per_expert_e: [e] int64 device tensor; counts_e the same on the host.
+    tokens_per_expert_e: [e] int64 device tensor; counts_e the same on the host (None in sync-free mode:
+        then the rows are padded to fixed sizes and only the device knows the counts).
     """
 
     chunk: int
@@ -32,7 +34,7 @@ class ChunkPlan:
     recv_We: List[List[int]]
     row_offset: int
     tokens_per_expert_e: torch.Tensor
-    counts_e: List[int]
+    counts_e: Optional[List[int]]
     expert_index_R: Optional[torch.Tensor] = None
     source_index_R: Optional[torch.Tensor] = None
 
@@ -106,6 +108,28 @@ def expert_major_index(counts_We: torch.Tensor, total: int):
     index_R = rearrange(src_start_We, "w e -> (e w)")[block_R] + pos_R
     inverse_R = torch.empty_like(index_R)
     inverse_R[index_R] = torch.arange(total, device=dev)
+    return index_R, inverse_R
+
+
+def padded_expert_major_index(counts_We: torch.Tensor, rows_per_rank: int):
+    """``expert_major_index`` for fixed-size blocks: received block w holds its counts_We[w] rows (by local
+    expert) then padding up to rows_per_rank (P). Returns a permutation of the W*P rows: every expert's rows
+    (by source rank) first, then all padding, and its inverse. Device ops only (a sort): no host sync.
+
+    Example: W=2, e=2, P=3, counts_We = [[1, 2], [1, 0]] (rows r0 r1 r2 | r3 p p)
+        -> index [0, 3, 1, 2, 4, 5]
+    """
+    W, e = counts_We.shape
+    P, dev = rows_per_rank, counts_We.device
+    r_R = torch.arange(W * P, device=dev)
+    w_R, i_R = r_R // P, r_R % P
+    end_We = torch.cumsum(counts_We, 1)
+    valid_R = i_R < end_We[w_R, -1]
+    expert_R = (end_We[w_R] <= i_R[:, None]).sum(1)  # local expert of each received row
+    block_R = torch.where(valid_R, expert_R * W + w_R, e * W)  # padding sorts last
+    index_R = torch.sort(block_R * (W * P) + r_R).indices  # unique keys: the order is exact
+    inverse_R = torch.empty_like(index_R)
+    inverse_R[index_R] = r_R
     return index_R, inverse_R
 
 

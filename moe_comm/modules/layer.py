@@ -22,6 +22,7 @@ from torch import nn
 
 from moe_comm._checks import check_bool, check_float, check_tensor
 from moe_comm.comm.agree import agree
+from moe_comm.comm.channel import read_deferred
 from moe_comm.comm.collectives import group_rank, group_size, resolve_group
 from moe_comm.config import MoEConfig
 from moe_comm.dispatch.dispatcher import Dispatcher
@@ -201,7 +202,8 @@ class MoELayer(nn.Module):
         # After the agreement, so that every rank gets here: the Dispatcher's own agreement is collective.
         self.dispatcher = Dispatcher(cfg.num_experts, self.ep_group, cfg.num_chunks, backend=backend,
                                      strict=strict, timeout=timeout, end_check=end_check,
-                                     allow_single_process=allow_single_process)
+                                     allow_single_process=allow_single_process,
+                                     max_tokens_per_rank=cfg.max_tokens_per_rank)
         if not self.experts.w1.is_meta:  # meta: reset_parameters() after to_empty() makes them equal
             self._broadcast_replicated()
         self.register_forward_pre_hook(_check_data_parallel_hook)
@@ -339,6 +341,12 @@ class MoELayer(nn.Module):
         """The Placement applied last (None: the default, expert g on rank g // e, no replicas)."""
         return self._placement
 
+    def check(self) -> None:
+        """Collective: read this layer's deferred exchanges now (one host sync); raises on every rank if any
+        rank failed since the last read. With ``end_check="deferred"`` and in the sync-free mode
+        (``max_tokens_per_rank``) failures of other ranks surface here or at the next read."""
+        self.dispatcher.check()
+
     # ------------------------------------------------------------------------ load: monitor and bias
     def finish_bias_update(self) -> None:
         """Apply the pending aux-loss-free bias step (no-op when none is pending).
@@ -365,12 +373,17 @@ class MoELayer(nn.Module):
         update_bias = self.training and self.bias_update_rate > 0
         if self.monitor is None and not update_bias:
             return
-        counts_E, dropped = count_tokens(routing.topk_idx_TK, self.cfg.num_experts, routing.token_mask_T)
+        if routing is None:  # this rank failed alone: zero counts keep the collective paired with the peers'
+            counts_E = torch.zeros(self.cfg.num_experts, dtype=torch.int64, device=self.experts.w1.device)
+            dropped, scores = 0, None
+        else:
+            counts_E, dropped = count_tokens(routing.topk_idx_TK, self.cfg.num_experts, routing.token_mask_T)
+            scores = routing.scores_TE
         group = self.ep_group if self.world_size > 1 else None
         dp_group = self.dp_group if group_size(self.dp_group) > 1 else None
         timeout = self.dispatcher.timeout
         if self.monitor is not None:
-            handle = self.monitor.observe(counts_E, dropped, routing.scores_TE, group=group, dp_group=dp_group,
+            handle = self.monitor.observe(counts_E, dropped, scores, group=group, dp_group=dp_group,
                                           timeout=timeout)
         else:
             handle = reduce_counts(counts_E, group, dp_group=dp_group, timeout=timeout,
@@ -422,7 +435,8 @@ class MoELayer(nn.Module):
         old = self.dispatcher
         self.dispatcher = Dispatcher(len(new_p2l), self.ep_group, old.num_chunks, backend=old.backend,
                                      strict=old.strict, timeout=old.timeout, end_check=old.end_check,
-                                     direct_min_bytes=old.direct_min_bytes, allow_single_process=True)
+                                     direct_min_bytes=old.direct_min_bytes, allow_single_process=True,
+                                     max_tokens_per_rank=old.max_tokens_per_rank)
         self.dispatcher.timeline = old.timeline
         self._replica_slots_EC, self._replica_count_E, self._max_replicas = replica_tables(new_p2l, E, params[0].device)
         self._placement, self._phys_to_logical = placement, new_p2l
@@ -523,25 +537,13 @@ class MoELayer(nn.Module):
                                      self._max_replicas, group_rank(self.ep_group))
         return routing, route_TK, x_TH
 
-    def forward(self, x: torch.Tensor, token_mask: Optional[torch.Tensor] = None, *, return_routing: bool = False):
-        """x: [..., H] -> y [..., H], same dtype. Sets ``self.aux_loss``; feeds ``self.monitor``.
-
-        token_mask: optional bool tensor of x's leading shape [...]; False marks a token that is not routed
-            (padding): no expert receives it, its routed output is 0 (shared experts still apply), and
-            neither the monitor nor the aux / z loss counts it.
-        return_routing: return ``(y, routing)``, routing the ``RouterOutput`` of this call (its
-            ``logits_TE`` are the router logits a Hugging Face model returns).
-        Under ``torch.autocast`` the router keeps its dtype (float32 logits, scores and weights by
-        default) and the experts compute in the autocast dtype; y has x's dtype.
-
-        Collective. Any error before rows move (bad x, the router raising on one rank) goes through the
-        Dispatcher's exchange: every rank raises, naming the rank, and the group stays usable."""
+    def _dispatch(self, x: torch.Tensor, token_mask: Optional[torch.Tensor], recompute: bool):
+        """Checks, router, dispatcher (+ shared experts): (y_TH, routing)."""
         error = self._check_input(x)
         if error is None and token_mask is not None:
             error = self._check_token_mask(x, token_mask)
         if error is not None:  # every rank raises with it (through the counts exchange): no hang
             self.dispatcher.fail(error, device=self.experts.w1.device)
-        recompute = in_backward()  # activation checkpointing: this forward already ran once
         if not recompute:
             self.finish_bias_update()
         try:
@@ -557,9 +559,48 @@ class MoELayer(nn.Module):
             y_TH, shared_TH = self.dispatcher(x_TH, route_TK, routing.topk_weight_TK, self.experts,
                                               side_fn=lambda: self._shared(x_TH))
             y_TH = y_TH + shared_TH
+        return y_TH, routing
+
+    def forward(self, x: torch.Tensor, token_mask: Optional[torch.Tensor] = None, *, return_routing: bool = False):
+        """x: [..., H] -> y [..., H], same dtype. Sets ``self.aux_loss``; feeds ``self.monitor``.
+
+        token_mask: optional bool tensor of x's leading shape [...]; False marks a token that is not routed
+            (padding): no expert receives it, its routed output is 0 (shared experts still apply), and
+            neither the monitor nor the aux / z loss counts it.
+        return_routing: return ``(y, routing)``, routing the ``RouterOutput`` of this call (its
+            ``logits_TE`` are the router logits a Hugging Face model returns).
+        Under ``torch.autocast`` the router keeps its dtype (float32 logits, scores and weights by
+        default) and the experts compute in the autocast dtype; y has x's dtype.
+
+        Collective. Any error before rows move (bad x, the router raising on one rank) goes through the
+        Dispatcher's exchange: every rank raises, naming the rank, and the group stays usable. Where the
+        Dispatcher defers its reads (end_check="deferred", the sync-free mode) a rank that fails mid-call
+        raises at once and still issues the load collective below, so the ranks' collectives stay paired."""
+        recompute = in_backward()  # activation checkpointing: this forward already ran once
+        try:
+            y_TH, routing = self._dispatch(x, token_mask, recompute)
+        except BaseException:
+            if self.dispatcher.failed_alone and not recompute:
+                self.finish_bias_update()  # as the peers did in this forward (a no-op if already done)
+                self._record_load(None)  # the peers issue theirs: this rank's counts are zero
+            raise
         # After the dispatch: its counts exchange already made every rank raise on a bad input, so the
         # monitor's collective is issued by all ranks or by none. A recompute counts nothing twice.
         if not recompute:
             self._record_load(routing)
         y = y_TH.reshape(x.shape)
         return (y, routing) if return_routing else y
+
+
+def check(module: nn.Module) -> None:
+    """Collective: read the deferred exchanges of every MoELayer in ``module`` with one host read, and raise
+    on every rank if any rank failed since the last read (the first failure, in module order). With the
+    sync-free mode (``max_tokens_per_rank``) call it once per step, after the forward, before
+    ``backward()``: one host sync for the whole model instead of one per layer."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    layers = [m for m in module.modules() if isinstance(m, MoELayer)]
+    if not layers:
+        return
+    with layers[0].dispatcher.workspace.dropped_on_error():  # one workspace per process, shared by all layers
+        read_deferred([m.dispatcher.channel for m in layers])

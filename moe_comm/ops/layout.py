@@ -21,7 +21,7 @@ from einops import rearrange, reduce, repeat
 
 from moe_comm._checks import check_int, check_tensor
 
-__all__ = ["Layout", "make_layout", "layout_reference", "chunk_of_tokens"]
+__all__ = ["Layout", "make_layout", "layout_reference", "chunk_of_tokens", "pad_layout"]
 
 
 @dataclass
@@ -37,6 +37,8 @@ class Layout:
         counts_CWe: [C, W, e] int64 rows per (chunk, destination rank, local expert).
         num_invalid: [] int64 count of topk_idx values outside [-1, E) (treated as dropped); the
             Dispatcher folds it into the counts exchange so every rank raises together.
+        valid_N: None, or [N] bool for a padded layout (``pad_layout``): rows where it is False are padding,
+            written as zeros by ``permute`` and given zero gradient by ``unpermute``.
     """
 
     num_tokens: int
@@ -50,6 +52,7 @@ class Layout:
     counts_CWe: torch.Tensor
     num_invalid: torch.Tensor
     _num_rows: Optional[int] = field(default=None, repr=False)
+    valid_N: Optional[torch.Tensor] = field(default=None, repr=False)
 
     @property
     def num_local_experts(self) -> int:
@@ -108,7 +111,9 @@ def layout_reference(topk_idx_TK: torch.Tensor, num_experts: int, num_chunks: in
     chunk_S = repeat(chunk_of_tokens(T, C, dev), "t -> (t k)", k=K)
     key_S = torch.where(valid_S, chunk_S * E + flat_S, torch.full_like(flat_S, C * E))  # C*E: dropped, sorts last
     src_slot_S = torch.sort(key_S, stable=True).indices
-    counts_CE = rearrange(torch.bincount(key_S, minlength=C * E + 1)[: C * E], "(c e) -> c e", c=C, e=E)
+    # scatter_add into fixed C*E + 1 bins, not bincount: bincount reads max(key) on the host (a CUDA sync).
+    bins = torch.zeros(C * E + 1, dtype=torch.int64, device=dev).scatter_add_(0, key_S, torch.ones_like(key_S))
+    counts_CE = rearrange(bins[: C * E], "(c e) -> c e", c=C, e=E)
     dest_S = torch.empty_like(flat_S)
     dest_S[src_slot_S] = torch.arange(T * K, device=dev, dtype=torch.int64)
     dest_S = torch.where(valid_S, dest_S, torch.full_like(dest_S, -1))
@@ -147,3 +152,44 @@ def make_layout(topk_idx_TK: torch.Tensor, num_experts: int, *, num_ranks: int =
                   dest_row_TK=dest_row_TK, src_slot_S=src_slot_S, token_S=src_slot_S // K if K else src_slot_S,
                   counts_CWe=rearrange(counts_CE, "c (w e) -> c w e", w=num_ranks),  # expert g = w * e + local
                   num_invalid=num_invalid)
+
+
+def pad_layout(layout: Layout, rows_per_rank: int) -> Layout:
+    """The layout of a fixed-size exchange: destination rank w's rows at [w*P, w*P + its rows), zeros up to
+    (w + 1)*P, for N = W*P rows in all whatever the routing. Device ops only: no host sync.
+
+    Args:
+        layout: a one-chunk layout from ``make_layout``.
+        rows_per_rank: P >= the rows any destination rank can get (the sync-free Dispatcher uses
+            max_tokens_per_rank x K >= T x K); rows past P would be dropped.
+    Example: W = 2, P = 3, rows per destination [2, 1] (rows r0 r1 | r2)
+        -> padded rows [r0, r1, 0 | r2, 0, 0], valid_N = [1, 1, 0, 1, 0, 0]
+    """
+    if layout.num_chunks != 1:
+        raise ValueError(f"pad_layout: the layout must have one chunk, got num_chunks={layout.num_chunks}")
+    check_int("rows_per_rank", rows_per_rank, 1)
+    W, P, S = layout.num_ranks, rows_per_rank, layout.num_tokens * layout.top_k
+    dev = layout.dest_row_TK.device
+    rows_W = layout.counts_CWe.sum((0, 2))
+    end_W = torch.cumsum(rows_W, 0)
+    start_W = end_W - rows_W
+    # sorted row n -> padded row: its destination's block, then its place in it (dropped rows: -1)
+    n_S = torch.arange(S, device=dev)
+    dst_S = torch.bucketize(n_S, end_W, right=True)  # W for the dropped rows (n >= N)
+    place_S = n_S - start_W[dst_S.clamp(max=W - 1)]
+    pos_S = torch.where((dst_S < W) & (place_S < P), dst_S * P + place_S, -1)
+    dest = layout.dest_row_TK
+    dest_row_TK = torch.where(dest >= 0, pos_S[dest.clamp(min=0)], -1) if S else dest
+    # padded row p -> sorted row (padding rows point at row 0, masked by valid_N)
+    p_N = torch.arange(W * P, device=dev)
+    w_N, i_N = p_N // P, p_N % P
+    valid_N = i_N < rows_W[w_N]
+    row_N = (start_W[w_N] + i_N).clamp(max=max(S - 1, 0))
+    if S:
+        token_N = torch.where(valid_N, layout.token_S[row_N], 0)
+        slot_N = torch.where(valid_N, layout.src_slot_S[row_N], 0)
+    else:
+        token_N = slot_N = torch.zeros(W * P, dtype=torch.int64, device=dev)
+    return Layout(num_tokens=layout.num_tokens, top_k=layout.top_k, num_experts=layout.num_experts, num_ranks=W,
+                  num_chunks=1, dest_row_TK=dest_row_TK, src_slot_S=slot_N, token_S=token_N,
+                  counts_CWe=layout.counts_CWe, num_invalid=layout.num_invalid, _num_rows=W * P, valid_N=valid_N)

@@ -17,11 +17,21 @@ from moe_comm.ops.layout import Layout
 __all__ = ["permute", "unpermute", "gather_rows"]
 
 
+def _zero_padding(rows_NH: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Padding rows of a padded layout (``layout.valid_N`` False) set to 0 in place; a device op, no sync."""
+    if layout.valid_N is not None:
+        rows_NH.masked_fill_(~layout.valid_N[:, None], 0)
+    return rows_NH
+
+
 class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, layout: Layout, backend: str, out):
         ctx.layout, ctx.backend = layout, backend
-        return select_backend(backend, x_TH.device).permute_rows(x_TH.contiguous(), layout.token_N, out=out)
+        if layout.num_tokens == 0:  # only a padded layout has rows without tokens: all padding
+            return x_TH.new_zeros(layout.num_rows, x_TH.shape[1]) if out is None else out.zero_()
+        return _zero_padding(select_backend(backend, x_TH.device).permute_rows(x_TH.contiguous(), layout.token_N,
+                                                                               out=out), layout)
 
     @staticmethod
     def backward(ctx, grad_NH):
@@ -48,9 +58,11 @@ class _Unpermute(torch.autograd.Function):
         impl = select_backend(ctx.backend, grad_TH.device)
         grad_TH = grad_TH.contiguous()
         grad_y = grad_w = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and layout.num_tokens == 0:  # only a padded layout has rows without tokens
+            grad_y = grad_TH.new_zeros(layout.num_rows, grad_TH.shape[1])
+        elif ctx.needs_input_grad[0]:
             scale_N = None if w_TK is None else w_TK.reshape(-1).index_select(0, layout.src_slot_N)
-            grad_y = impl.permute_rows(grad_TH, layout.token_N, scale_N)
+            grad_y = _zero_padding(impl.permute_rows(grad_TH, layout.token_N, scale_N), layout)
         if w_TK is not None and ctx.needs_input_grad[1]:
             grad_w = impl.unpermute_weight_grad(grad_TH, y_NH, layout.dest_row_TK).to(w_TK.dtype)
         return grad_y, grad_w, None, None

@@ -1,8 +1,17 @@
-"""Tier 1: GroupedExperts' explicit backward against autograd of the plain per-expert SwiGLU."""
+"""Tier 1: GroupedExperts against autograd of the plain per-expert SwiGLU and a float64 reference.
+
+Paths: the loop (``_LoopSwiGLU``), torch._grouped_mm (``_GroupedSwiGLU``, where ``_grouped_mm_works``:
+its 16-byte stride rule, dtypes, group count) and, for padded rows (the sync-free dispatch), the grouped
+path or the [e, R, H] slab fallback (``_padded_bmm_swiglu``). Padding rows may hold NaN: their output
+and input-gradient rows are 0 and the weight gradients equal an unpadded run's; no host sync
+(``HostSyncs``), forward or backward.
+"""
 import pytest
 import torch
 
-from moe_comm.modules.experts import GroupedExperts, _LoopSwiGLU, swiglu
+from moe_comm.modules import experts as experts_mod
+from moe_comm.modules.experts import GroupedExperts, _grouped_mm_works, _LoopSwiGLU, _use_grouped_mm, swiglu
+from moe_comm.testing.syncs import HostSyncs
 
 
 @pytest.mark.parametrize("counts", [[3, 0, 5], [0, 0, 4], [0, 0, 0], [7, 1, 2]])
@@ -62,3 +71,298 @@ def test_grouped_experts_under_autocast(amp_dtype):
     with torch.autocast("cpu", dtype=amp_dtype):  # float64 rows: autocast leaves them alone
         y64 = ex.double()(x.detach().double(), torch.tensor(counts), counts=counts)
     assert y64.dtype == torch.float64
+
+
+# ---------------------------------------------------------------------------------- torch._grouped_mm path
+def _experts(e, H, F_, dtype, seed=3):
+    return GroupedExperts(e, H, F_, seed=seed).to(dtype)
+
+
+def _reference(ex, x, counts, g):
+    """float64 per-expert SwiGLU with autograd: (y, x.grad, [w1, w3, w2 grads]), all float64."""
+    ws = [p.detach().double().requires_grad_(True) for p in (ex.w1, ex.w3, ex.w2)]
+    x64 = x.detach().double().requires_grad_(True)
+    outs, start = [], 0
+    for i, n in enumerate(counts):
+        outs.append(swiglu(x64[start:start + n], ws[0][i], ws[1][i], ws[2][i]))
+        start += n
+    y = torch.cat(outs)
+    (y * g.double()).sum().backward()
+    return y.detach(), x64.grad, [w.grad if w.grad is not None else torch.zeros_like(w) for w in ws]
+
+
+def _run(ex, x, counts_e, g, **kw):
+    """(y, x.grad, [weight grads]) of GroupedExperts on a fresh leaf copy of x."""
+    for p in (ex.w1, ex.w3, ex.w2):
+        p.grad = None
+    x = x.detach().clone().requires_grad_(True)
+    y = ex(x, torch.tensor(counts_e, device=x.device), **kw)
+    y.backward(g)
+    return y.detach(), x.grad, [p.grad for p in (ex.w1, ex.w3, ex.w2)]
+
+
+def _loop(ex, x, counts, g):
+    """The same experts through _LoopSwiGLU, whatever _use_grouped_mm says."""
+    ws = [p.detach().clone().requires_grad_(True) for p in (ex.w1, ex.w3, ex.w2)]
+    x = x.detach().clone().requires_grad_(True)
+    y = _LoopSwiGLU.apply(x, *ws, list(counts))
+    y.backward(g)
+    return y.detach(), x.grad, [w.grad for w in ws]
+
+
+_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=5e-2, atol=5e-2),
+        torch.float16: dict(rtol=1e-2, atol=1e-2), torch.float64: dict(rtol=1e-12, atol=1e-12)}
+
+
+def _operands(e, R, H, F_, dtype):
+    return (torch.empty(R, H, dtype=dtype), torch.empty(e, F_, H, dtype=dtype), torch.empty(e, F_, H, dtype=dtype),
+            torch.empty(e, H, F_, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype, R, H, F_, e, expect", [
+    (torch.float32, 10, 16, 32, 3, True),
+    (torch.float32, 10, 4, 8, 1, True),        # 4 fp32 = 16 bytes
+    (torch.float32, 10, 6, 8, 3, False),       # H stride 24 bytes
+    (torch.bfloat16, 10, 16, 24, 3, True),
+    (torch.bfloat16, 10, 12, 16, 3, False),    # H not a multiple of 8: forward would raise
+    (torch.bfloat16, 10, 16, 12, 3, False),    # F not a multiple of 8: forward runs, backward would raise
+    (torch.float16, 10, 8, 8, 2, True),
+    (torch.float64, 10, 16, 16, 3, False),     # not a _grouped_mm dtype
+    (torch.float32, 0, 16, 16, 3, False),      # R = 0: the weight-gradient GEMM has no valid stride
+    (torch.float32, 10, 16, 16, 1024, False),  # CUDA kernel: fewer than 1024 groups
+])
+def test_grouped_mm_rule(dtype, R, H, F_, e, expect):
+    ops = _operands(e, R, H, F_, dtype)
+    assert _grouped_mm_works(*ops) is expect
+    assert _use_grouped_mm(*ops, padded=True) is expect
+    assert not _use_grouped_mm(*ops), "CPU, unpadded: the loop (as fast or faster)"
+    if R and e < 1024 and dtype != torch.float64:  # the stride rule: the grouped path raises exactly there
+        x, *ws = (torch.randn(t.shape).to(dtype).requires_grad_(True) for t in ops)
+        counts = torch.tensor([R // e] * (e - 1) + [R - R // e * (e - 1)])
+
+        def fwd_bwd():
+            experts_mod._GroupedSwiGLU.apply(x, *ws, counts, False).sum().backward()
+        if expect:
+            fwd_bwd()
+        else:
+            with pytest.raises(RuntimeError, match="strides should be multiple of 16 bytes"):
+                fwd_bwd()
+
+
+def test_grouped_mm_rule_checks_every_operand_layout():
+    x, w1, w3, w2 = _operands(2, 10, 16, 16, torch.float32)
+    assert _grouped_mm_works(x, w1, w3, w2)
+    assert not _grouped_mm_works(torch.empty(10, 18)[:, :16], w1, w3, w2)       # row stride 72 bytes
+    assert _grouped_mm_works(torch.empty(10, 20)[:, :16], w1, w3, w2)           # row stride 80 bytes
+    assert not _grouped_mm_works(torch.empty(1, 16).expand(10, 16), w1, w3, w2)     # row stride 0
+    assert not _grouped_mm_works(x, w1, torch.empty(2, 16, 18)[..., :16], w2)   # one weight misaligned
+    assert not _grouped_mm_works(x, w1, w3, w2.double())                       # mixed dtypes
+    assert not _grouped_mm_works(x, torch.empty(2, 16, 1).expand(2, 16, 16), w3, w2)  # stride 0
+
+
+@pytest.mark.parametrize("dtype, H, F_, counts, grouped", [
+    (torch.float32, 16, 32, [3, 0, 7], True),
+    (torch.float32, 16, 32, [0, 0, 6], True),     # zero-row experts
+    (torch.float32, 8, 12, [9], True),            # e = 1
+    (torch.bfloat16, 16, 24, [4, 5, 0, 2], True),
+    (torch.float16, 16, 8, [5, 1], True),
+    (torch.bfloat16, 12, 16, [3, 0, 7], False),   # H not a multiple of 8: the loop, not an error
+    (torch.bfloat16, 16, 12, [3, 0, 7], False),   # F not a multiple of 8 (backward would raise)
+    (torch.float32, 16, 32, [0, 0, 0], False),    # R = 0
+])
+def test_grouped_and_loop_match_float64_reference(dtype, H, F_, counts, grouped):
+    """The grouped GEMM path, the loop, and the module (unpadded: the loop on CPU; padded=True with no
+    padding row: the grouped path where it works, else the slab fallback) against float64."""
+    ex = _experts(len(counts), H, F_, dtype)
+    gen = torch.Generator().manual_seed(5)
+    R = sum(counts)
+    x = torch.randn(R, H, generator=gen).to(dtype)
+    g = torch.randn(R, H, generator=gen).to(dtype)
+    assert _grouped_mm_works(x, ex.w1, ex.w3, ex.w2) is grouped
+    ref = _reference(ex, x, counts, g)
+    runs = [_loop(ex, x, counts, g), _run(ex, x, counts, g), _run(ex, x, counts, g, padded=True)]
+    if grouped:
+        runs.append(_grouped(ex, x, counts, g))
+    tol = _TOL[dtype]
+    for run in runs:
+        for got, loop, want in zip((run[0], run[1], *run[2]), (runs[0][0], runs[0][1], *runs[0][2]),
+                                   (ref[0], ref[1], *ref[2])):
+            assert got.dtype == dtype
+            torch.testing.assert_close(got.double(), want, **tol)
+            torch.testing.assert_close(got, loop, **tol)
+        for i, n in enumerate(counts):
+            if n == 0:
+                assert all(w[i].eq(0).all() for w in run[2]), "an expert with no rows gets a zero gradient"
+
+
+def _grouped(ex, x, counts, g):
+    """The same experts through _GroupedSwiGLU directly."""
+    ws = [p.detach().clone().requires_grad_(True) for p in (ex.w1, ex.w3, ex.w2)]
+    x = x.detach().clone().requires_grad_(True)
+    y = experts_mod._GroupedSwiGLU.apply(x, *ws, torch.tensor(counts, device=x.device), False)
+    y.backward(g)
+    return y.detach(), x.grad, [w.grad for w in ws]
+
+
+def test_grouped_zero_fill_of_empty_experts(monkeypatch):
+    """The CUDA-only fill of empty experts' weight gradients, run on CPU: the same gradients."""
+    ex = _experts(3, 16, 16, torch.float32)
+    x, g = torch.randn(7, 16), torch.randn(7, 16)
+    plain = _grouped(ex, x, [3, 0, 4], g)
+    monkeypatch.setattr(experts_mod, "_GMM_ZERO_EMPTY_DEVICES", ("cuda", "cpu"))
+    filled = _grouped(ex, x, [3, 0, 4], g)
+    assert all(torch.equal(a, b) for a, b in zip(plain[2], filled[2])) and filled[2][0][1].eq(0).all()
+
+
+def test_grouped_path_takes_an_expanded_gradient():
+    """y.sum().backward() hands the grouped backward a [R, H] gradient of strides (0, 0), which
+    torch._grouped_mm rejects as an operand."""
+    ex = _experts(2, 16, 16, torch.float32)
+    x = torch.randn(6, 16, requires_grad=True)
+    assert _use_grouped_mm(x, ex.w1, ex.w3, ex.w2, padded=True)
+    ex(x, torch.tensor([2, 4]), padded=True).sum().backward()
+    ref = _loop(ex, x, [2, 4], torch.ones(6, 16))
+    torch.testing.assert_close(x.grad, ref[1])
+    torch.testing.assert_close(ex.w1.grad, ref[2][0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_grouped_mm_on_cuda():
+    """bf16 takes torch._grouped_mm's CUTLASS kernel on sm90 / sm100 only; the result matches the loop."""
+    dev = torch.device("cuda")
+    ex = GroupedExperts(4, 64, 128, seed=1).to(dev, torch.bfloat16)
+    counts = [5, 0, 40, 19]
+    x = torch.randn(64, 64, device=dev, dtype=torch.bfloat16)
+    g = torch.randn(64, 64, device=dev, dtype=torch.bfloat16)
+    grouped = torch.cuda.get_device_capability(dev)[0] in (9, 10)
+    assert _use_grouped_mm(x, ex.w1, ex.w3, ex.w2) is grouped
+    assert not _use_grouped_mm(x.float(), ex.w1.float(), ex.w3.float(), ex.w2.float())
+    y, gx, gws = _run(ex, x, counts, g)
+    ly, lgx, lgws = _loop(ex, x, counts, g)
+    for got, loop in zip((y, gx, *gws), (ly, lgx, *lgws)):
+        torch.testing.assert_close(got, loop, **_TOL[torch.bfloat16])
+    assert gws[0][1].eq(0).all()
+    # padded, sync-free: CUDA itself raises on a sync; padding rows hold NaN
+    xp = torch.cat([x, torch.full((16, 64), float("nan"), device=dev, dtype=x.dtype)]).requires_grad_(True)
+    gp = torch.cat([g, torch.full((16, 64), float("nan"), device=dev, dtype=g.dtype)])
+    for module in (ex, GroupedExperts(4, 64, 128, seed=1).to(dev)):  # bf16: grouped (sm90/100); fp32: slabs
+        tpe = torch.tensor(counts, device=dev)
+        xi = xp.detach().to(module.w1.dtype).requires_grad_(True)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yp = module(xi, tpe, padded=True)
+            yp.backward(gp.to(yp.dtype))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert yp[64:].eq(0).all() and xi.grad[64:].eq(0).all()
+        assert all(p.grad.isfinite().all() for p in module.parameters())
+
+
+# ---------------------------------------------------------------------------------- padded, sync-free path
+_PATHS = {  # path -> (dtype, H, F): "grouped" takes torch._grouped_mm, "bmm" the [e, R, H] slab fallback
+    "grouped": (torch.float32, 16, 32),
+    "bmm": (torch.float32, 12, 10),      # 12 fp32 = 48 bytes: aligned; F = 10: 40 bytes, not
+    "bmm_bf16": (torch.bfloat16, 12, 16),
+}
+
+
+def _padded_case(path, counts, P, seed=7):
+    dtype, H, F_ = _PATHS[path]
+    ex = _experts(len(counts), H, F_, dtype)
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(counts)
+    x_valid = torch.randn(n, H, generator=gen).to(dtype)
+    g_valid = torch.randn(n, H, generator=gen).to(dtype)
+    nan = torch.full((P, H), float("nan"), dtype=dtype)
+    return ex, x_valid, g_valid, torch.cat([x_valid, nan]), torch.cat([g_valid, nan])
+
+
+@pytest.mark.parametrize("path", list(_PATHS))
+@pytest.mark.parametrize("counts, P", [([3, 0, 7], 5), ([0, 0, 0], 4), ([6], 2), ([2, 4], 0), ([0, 5, 1], 9),
+                                      ([0, 0], 0)])
+def test_padded_equals_unpadded_and_padding_adds_nothing(path, counts, P):
+    """Padding rows (and their upstream gradient rows) full of NaN: output rows 0, input-gradient rows
+    0, weight gradients equal to the unpadded run's on the valid rows alone. Same GEMM path: exactly."""
+    ex, x_valid, g_valid, x, g = _padded_case(path, counts, P)
+    n = x_valid.shape[0]
+    assert _use_grouped_mm(x, ex.w1, ex.w3, ex.w2, padded=True) is (path == "grouped" and x.shape[0] > 0)
+    y, gx, gws = _run(ex, x, counts, g, padded=True)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert y[n:].eq(0).all() and gx[n:].eq(0).all()
+    assert all(w.isfinite().all() for w in gws)
+    if path == "grouped" and n:  # the same per-group GEMMs, unpadded
+        uy, ugx, ugws = _grouped(ex, x_valid, counts, g_valid)
+    else:
+        uy, ugx, ugws = _run(ex, x_valid, counts, g_valid, counts=counts)
+    if path == "grouped":
+        assert torch.equal(y[:n], uy) and torch.equal(gx[:n], ugx)
+        assert all(torch.equal(a, b) for a, b in zip(gws, ugws))
+    else:
+        tol = _TOL[x.dtype]
+        torch.testing.assert_close(y[:n], uy, **tol)
+        torch.testing.assert_close(gx[:n], ugx, **tol)
+        for a, b in zip(gws, ugws):
+            torch.testing.assert_close(a, b, **tol)
+    for i, c in enumerate(counts):
+        if c == 0:
+            assert all(w[i].eq(0).all() for w in gws)
+
+
+def test_padded_bmm_matches_float64_reference(monkeypatch):
+    """The slab fallback on a shape the grouped path would take (forced off), against float64."""
+    monkeypatch.setattr(experts_mod, "_use_grouped_mm", lambda *a: False)
+    counts, P = [4, 0, 3, 5], 3
+    ex, x_valid, g_valid, x, g = _padded_case("grouped", counts, P)
+    y, gx, gws = _run(ex, x, counts, g, padded=True)
+    ry, rgx, rgws = _reference(ex, x_valid, counts, g_valid)
+    n = x_valid.shape[0]
+    for got, ref in zip((y[:n], gx[:n], *gws), (ry, rgx, *rgws)):
+        torch.testing.assert_close(got.double(), ref, **_TOL[torch.float32])
+    assert y[n:].eq(0).all() and gx[n:].eq(0).all()
+
+
+@pytest.mark.parametrize("path", list(_PATHS))
+def test_padded_path_has_no_host_sync(path):
+    """No host read and no sync-prone op (nonzero, bool-mask index, bincount, unbounded repeat_interleave,
+    unique, masked_select, .item/.tolist/.cpu), forward and backward."""
+    ex, _, _, x, g = _padded_case(path, [3, 0, 7], 5)
+    x.requires_grad_(True)
+    tpe = torch.tensor([3, 0, 7])
+    with HostSyncs() as s:
+        ex(x, tpe, padded=True).backward(g)
+    assert s.count == 0, s.report()
+    with HostSyncs() as s:  # the recorder sees the unpadded loop's one read of the counts
+        ex.double()(x.detach().double()[:10], tpe)
+    assert [e.what for e in s.events] == ["tolist"], s.report()
+
+
+@pytest.mark.parametrize("path", ["grouped", "bmm"])
+def test_padded_under_autocast(path):
+    """As the unpadded path: GEMMs in the autocast dtype (equal to the experts cast to it), weight
+    gradients back in the parameters' dtype."""
+    H, F_ = (16, 16) if path == "grouped" else (12, 10)
+    ex = GroupedExperts(3, H, F_, seed=4)
+    counts, P = [2, 0, 5], 3
+    x = torch.randn(7 + P, H, generator=torch.Generator().manual_seed(0))
+    x[7:] = float("nan")
+    x.requires_grad_(True)
+    tpe = torch.tensor(counts)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ex(x, tpe, padded=True)
+    assert y.dtype == torch.bfloat16 and y[7:].eq(0).all()
+    low = GroupedExperts(3, H, F_, seed=4).to(torch.bfloat16)
+    assert _use_grouped_mm(x.detach().to(torch.bfloat16), low.w1, low.w3, low.w2, True) is (path == "grouped")
+    assert torch.equal(y, low(x.detach().to(torch.bfloat16), tpe, padded=True))
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and x.grad[7:].eq(0).all()
+    assert all(p.grad.dtype == torch.float32 and p.grad.isfinite().all() for p in (ex.w1, ex.w3, ex.w2))
+    assert ex.w1.grad[1].eq(0).all() and ex.w1.grad[0].abs().sum() > 0
+
+
+def test_padded_takes_no_host_counts():
+    ex = GroupedExperts(2, 8, 8)
+    with pytest.raises(ValueError, match="padded=True takes no host counts"):
+        ex(torch.randn(5, 8), torch.tensor([2, 2]), counts=[2, 2], padded=True)
+    assert GroupedExperts.supports_padded and GroupedExperts.wants_host_counts

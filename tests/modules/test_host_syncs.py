@@ -1,0 +1,107 @@
+"""Host syncs of one MoELayer step, listed exactly, for every option, on 1 and 2 gloo ranks.
+
+HostSyncs (moe_comm.testing.syncs) records on CPU what would make the host wait for a CUDA device. With
+backend="torch" (the layout a CUDA run uses) and end_check="deferred" (the CUDA default) a forward has
+exactly one: the dispatcher's control-exchange read; a backward on W > 1 has one: its check-in read, which
+raises a forward failure on every rank before any gradient moves (W = 1: none); the sync-free mode
+(max_tokens_per_rank) has none after its first call.
+"""
+import pytest
+import torch
+
+import moe_comm
+from moe_comm.placement.planner import plan_placement
+from moe_comm.testing.syncs import HostSyncs
+
+H, F, E, K = 16, 24, 4, 2
+READ = "tolist at "  # the one read: Channel.end
+
+CONFIGS = {
+    "plain": {},
+    "aux_z_capacity": dict(aux_loss_coeff=0.01, z_loss_coeff=0.001, capacity_factor=1.0),
+    "group_sigmoid_shared": dict(num_groups=2, topk_groups=1, score_func="sigmoid", route_scale=2.5,
+                                 num_shared_experts=1, shared_expert_gate=True),
+    "chunks": dict(num_chunks=4),
+    "bias_monitor": "bias",
+    "placement": "placement",
+    "timeline": "timeline",
+    "sync_free": dict(max_tokens_per_rank=32),
+}
+
+
+def _layer(name, world_size):
+    opts = CONFIGS[name]
+    cfg = moe_comm.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=K,
+                             **(opts if isinstance(opts, dict) else {}))
+    layer = moe_comm.MoELayer(cfg, seed=1, backend="torch", end_check="deferred", monitor=opts == "bias",
+                              bias_update_rate=0.01 if opts == "bias" else 0.0)
+    if opts == "placement":
+        layer.apply_placement(plan_placement([[8, 4, 2, 1]], world_size, 2 * (world_size - 1)))
+    if opts == "timeline":
+        layer.timeline.enabled = True
+    return layer
+
+
+def _step(layer, x):
+    with HostSyncs() as fwd:
+        y = layer(x)
+        loss = y.float().pow(2).mean() + layer.aux_loss if hasattr(layer, "aux_loss") else y.float().pow(2).mean()
+    with HostSyncs() as bwd:
+        loss.backward()
+    return fwd, bwd
+
+
+def _rank_syncs(rank, world_size, name):
+    layer = _layer(name, world_size)
+    x = torch.randn(24, H, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    out = []
+    for step in range(3):  # step 0 agrees the sync-free shapes; later steps also apply the bias update
+        fwd, bwd = _step(layer, x)
+        out.append(([e.what + " at " + e.file.rsplit("/", 1)[-1] + ": " + e.source for e in fwd.events],
+                    [e.what + " at " + e.file.rsplit("/", 1)[-1] + ": " + e.source for e in bwd.events]))
+    layer.dispatcher.check()
+    return out
+
+
+def _expected(name, world_size, step):
+    if name == "sync_free":
+        return (0, 0) if step > 0 or world_size == 1 else (1, 0)
+    return 1, (1 if world_size > 1 else 0)
+
+
+def _check(results, name, world_size):
+    for per_rank in results:
+        for step, (fwd, bwd) in enumerate(per_rank):
+            nf, nb = _expected(name, world_size, step)
+            assert len(fwd) == nf and len(bwd) == nb, (step, fwd, bwd)
+            for event in fwd + bwd:
+                assert event.startswith(READ + "channel.py") and "the phase's one read" in event, event
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_host_syncs_single_rank(name):
+    _check([_rank_syncs(0, 1, name)], name, 1)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_host_syncs_two_ranks(ranks, name):
+    _check(ranks(2).run(_rank_syncs, name), name, 2)
+
+
+def test_host_syncs_sees_what_it_should():
+    """The recorder itself: each kind of sync is seen once, a marked host-only read is not."""
+    t = torch.arange(6)
+    with HostSyncs() as s:
+        t.tolist()
+        t.nonzero()
+        t[t > 2]
+        torch.bincount(t)
+        torch.repeat_interleave(t, t)
+        torch.repeat_interleave(t, t, output_size=15)  # sized by the caller: no sync
+        bool(t[0])
+        t.sum().item()
+        t.tolist()  # host sync: none, a test of the marker
+    whats = [e.what for e in s.events]
+    assert whats == ["tolist", "aten.nonzero", "index[bool]", "aten.bincount", "aten.repeat_interleave",
+                     "__bool__", "item"], s.report()
