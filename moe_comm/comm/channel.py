@@ -171,13 +171,6 @@ class Channel:
         if len(self.deferred) > MAX_DEFERRED:
             self._fold(self.deferred.pop(0))
 
-    def forget(self, call: int) -> None:
-        """Drop the unread exchanges of ``call`` (this rank failed in it and raised its own error already)."""
-        for p in self.deferred:
-            if p.call == call:
-                self.wait(p)  # completed before its tensors are let go (NCCL: a stream wait)
-        self.deferred = [p for p in self.deferred if p.call != call]
-
     def _fold(self, p: Pending) -> None:
         """Device-side check of one exchange: any failure, foreign row or disagreement sets the flag."""
         self.wait(p)

@@ -80,13 +80,14 @@ class Dispatcher:
             fixed size (W x M x K rows of H per direction, padded with zeros), so a call reads nothing on
             the host after the first (which agrees on H, dtype and K: one read) - no host sync in forward or
             backward, the shape a CUDA graph can capture. The counts travel in the control exchange and stay
-            on the device; ``expert_fn`` gets padded rows (see ``__call__``). A rank with more than M tokens,
-            or another H, dtype or K than its first call, is rejected: it raises at once and moves zero rows
-            so its peers never wait; the peers, whose reads are all deferred, raise at their next read:
-            ``check()`` (one host sync; in training call it after the forward, before the backward, so a
-            failure never reaches the gradients). Costs: W x M x K x H x element size bytes per direction
-            on the wire and as buffers, whatever the routing; ``dispatch``/``combine`` are not available.
-            None (default): dropless, exact sizes (one host read per forward).
+            on the device; ``expert_fn`` gets padded rows (see ``__call__``). Failures are deferred: a rank
+            with more than M tokens, another H, dtype or K than its first call, or whose expert_fn raises,
+            moves zero (placeholder) rows through the call like its peers and returns zeros of x's shape,
+            so every rank issues the same collectives; every rank raises at ``check()`` (one host sync; in
+            training call ``moe_comm.check(model)`` after the forward, before the backward). Costs: W x M x
+            K x H x element size bytes per direction on the wire and as buffers, whatever the routing;
+            ``dispatch``/``combine`` are not available. None (default): dropless, exact sizes (one host
+            read per forward).
 
     Construction is collective when W > 1: every rank must build its Dispatchers on a group in the same
     order with the same E, max_chunks, strict and direct_min_bytes (checked: every rank raises naming
@@ -157,9 +158,6 @@ class Dispatcher:
         self.auto = AutoChunker(self.group, self.channel.device)
         self.last_transport = ""  # name of the Transport the last call used ("all_to_all", "point_to_point", ...)
         self.max_tokens_per_rank = max_tokens_per_rank
-        # The last call raised on this rank while its peers, whose reads are deferred, returned placeholder rows
-        # (they raise at their next read): a caller with collectives of its own after the call issues them anyway.
-        self.failed_alone = False
         self._agreed = None  # sync-free mode: (H, dtype, K) every rank agreed on in its first call
 
     # ---------------------------------------------------------------- properties
@@ -392,8 +390,8 @@ class Dispatcher:
         Returns: y_TH [T, H], equal for every C (chunking only changes when rows move). An exception in
         expert_fn or side_fn on any rank raises on every rank (``PeerFailed`` on the others), after the
         call's remaining exchanges completed: with end_check="eager" no rank returns a value from a failed
-        call; with "deferred" every rank returns placeholder rows and raises at its next read; in the
-        sync-free mode the failing rank raises at once, the others at ``check()``.
+        call; with "deferred" and in the sync-free mode every rank returns placeholder rows and raises at
+        its next read (``check()`` in the sync-free mode).
 
         Sync-free mode (``max_tokens_per_rank``): tokens_RH holds W x M x K rows, expert-major with each
         expert's rows first and padding (zero rows) after the last; tokens_per_expert_e is on the device
@@ -403,7 +401,6 @@ class Dispatcher:
         """
         from moe_comm.dispatch.pipeline import run_pipeline
 
-        self.failed_alone = False
         if self.sync_free:
             if num_chunks not in (None, 1):
                 raise ValueError(f"num_chunks must be 1 (or None) in sync-free mode (max_tokens_per_rank), "
@@ -437,11 +434,13 @@ class Dispatcher:
     @_graph_break
     def fail(self, error: Exception, num_chunks: Optional[int] = None, device=None):
         """Reject this rank's input collectively: join the forward's control exchange with ``error`` so every
-        rank raises (naming this one) instead of waiting in the exchange. Always raises.
+        rank raises (naming this one) instead of waiting in the exchange. Raises, except in the sync-free
+        mode after its first call: there this rank moves zero rows through the call like its peers and
+        returns a 0-dim zero tensor attached to the call's graph (add it to the caller's placeholder output,
+        so its backward runs the same exchanges); every rank raises at its next read (``check()``).
         ``device`` is accepted for compatibility and unused (exchanges use the group's device)."""
-        self.failed_alone = False
-        if self.sync_free:
-            self._call_sync_free(None, None, None, None, None, local_error=error)
+        if self.sync_free:  # after the first call: deferred like every failure of the mode
+            return self._call_sync_free(None, None, None, None, None, local_error=error)
         C = self.num_chunks if num_chunks is None else num_chunks
         if C == "auto":
             C = self.auto.step()[0]
@@ -512,6 +511,14 @@ class Dispatcher:
                 x_NH = ops.permute(x_TH, lay, backend=self.backend, out=out)
         y_NH, side_out, _ = run_pipeline(self, handle, x_NH, expert_fn, side_fn, keep_output=keep,
                                          failed=pending.local_error)
+        if layout is None:  # rejected here: a zero attached to the call's graph; every rank raises at check()
+            anchor = y_NH.narrow(0, 0, 0).sum()
+            if expert_fn is None:  # from fail(): the caller shapes its own placeholder
+                return anchor
+            if not (isinstance(x_TH, torch.Tensor) and x_TH.dim() == 2 and x_TH.is_floating_point()):
+                raise pending.local_error  # no placeholder of x's shape to return: raised here alone
+            y_TH = x_TH.detach().new_zeros(x_TH.shape) + anchor.to(x_TH.dtype)
+            return y_TH if side_fn is None else (y_TH, torch.zeros_like(y_TH))
         with self.timeline.compute("unpermute"):
             y_TH = ops.unpermute(y_NH, lay, topk_weight_TK, backend=self.backend)
         return y_TH if side_fn is None else (y_TH, side_out)

@@ -14,10 +14,10 @@ Failures: an exception in side_fn, expert_fn, a regroup kernel or the expert bac
 does not leave the schedule: that rank sends placeholder rows for the chunks left (the sizes every
 rank agreed on), and the end-of-phase control exchange carries its error to every rank, which all
 raise (``PeerFailed`` on the others, its own error on it): at once with end_check="eager"; with
-"deferred", every rank returns placeholder rows from a failed forward and all raise at their next read
-(the backward's check-in), so they stay in step; in the sync-free mode the failing rank raises at once
-and its peers at ``check()``. A failed or timed-out transfer (CollectiveError) poisons the group
-instead: see ``moe_comm.comm``.
+"deferred" and in the sync-free mode every rank, the failing one too, returns placeholder rows and all
+raise at their next read (the backward's check-in, the next call, ``check()``), so every rank issues the
+same collectives meanwhile. A failed or timed-out transfer (CollectiveError) poisons the group instead:
+see ``moe_comm.comm``.
 
 The experts' own backward runs as a nested ``torch.autograd.backward`` per chunk (as reentrant
 activation checkpointing does): any differentiable ``expert_fn`` gets correct gradients, which are
@@ -61,7 +61,8 @@ class _Run:
     side_out: Optional[torch.Tensor] = None
     expert_io: List = field(default_factory=list)  # per chunk: (tokens_in_RH leaf, out_RH) or None
     backward_done: bool = False
-    failed: Optional[BaseException] = None  # this rank's input was rejected: take part with placeholder rows
+    failed: Optional[BaseException] = None  # this rank's input was rejected, or its forward failed with reads
+    # deferred: its phases move placeholder rows, and the error is raised at the next read
 
 
 class _Failure:
@@ -85,18 +86,13 @@ class _Failure:
             return None
 
     def close(self, d, phase: Phase, handle) -> None:
-        """The end-of-phase control exchange: raises on every rank if any rank failed."""
+        """The end-of-phase control exchange: raises on every rank if any rank failed (at the next read when
+        reads are deferred)."""
         failed = Failure.NONE if self.error is None else Failure.RAISED
         d._exchange_status(phase, handle, self.error, failed, chunk=self.chunk, deferrable=True)
-        if self.error is None:
-            return
-        if d.sync_free:  # raises now; its peers at check(), which reads only completed exchanges
-            d.failed_alone = True
-            d.channel.forget(handle.call)  # its own failure words: not raised a second time at its next read
-            raise self.error
-        if phase == Phase.FORWARD_END:
-            return  # end_check="deferred": placeholder rows like its peers; every rank raises at the next read
-        raise self.error  # a backward: no rank's optimizer should see these gradients, this one's at least
+        if self.error is None or d.sync_free or d.end_check == "deferred":
+            return  # deferred: placeholder rows like its peers, so all stay in step; all raise at the next read
+        raise self.error
 
 
 def _wait(inflight, failure: _Failure, chunk: int, rows: int, like: torch.Tensor) -> torch.Tensor:
@@ -136,7 +132,7 @@ class _PipelinedExperts(torch.autograd.Function):
         d._exchange_status(Phase.BACKWARD, run.handle, error, Failure.NONE if error is None else Failure.REJECTED)
         run.backward_done = True
         with d.workspace.dropped_on_error():
-            return _backward(run, grad_y_NH.contiguous(), failed=error), None, None
+            return _backward(run, grad_y_NH.contiguous(), failed=error or run.failed), None, None
 
 
 def _schedule(run: _Run, src_NH: torch.Tensor, out_NH: torch.Tensor, compute, phases: Tuple[str, str],
@@ -173,6 +169,8 @@ def _schedule(run: _Run, src_NH: torch.Tensor, out_NH: torch.Tensor, compute, ph
     for c, b in enumerate(back):
         _wait(b, failure, c, chunks[c].num_rows, src_NH)
     failure.close(d, end, handle)
+    if failure.error is not None:  # deferred: the backward of this call moves placeholder rows too
+        run.failed = failure.error
     return out_NH
 
 

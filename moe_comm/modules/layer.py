@@ -538,19 +538,23 @@ class MoELayer(nn.Module):
         return routing, route_TK, x_TH
 
     def _dispatch(self, x: torch.Tensor, token_mask: Optional[torch.Tensor], recompute: bool):
-        """Checks, router, dispatcher (+ shared experts): (y_TH, routing)."""
+        """Checks, router, dispatcher (+ shared experts): (y_TH, routing); routing None after a failure
+        the sync-free mode deferred (y_TH is then a placeholder of zeros)."""
         error = self._check_input(x)
         if error is None and token_mask is not None:
             error = self._check_token_mask(x, token_mask)
+        if error is None:
+            try:
+                with self.timeline.compute("router"):
+                    routing, route_TK, x_TH = self._route(x, recompute, token_mask)
+            except Exception as err:  # noqa: BLE001 -- any router failure: every rank raises, naming this one
+                error = err
         if error is not None:  # every rank raises with it (through the counts exchange): no hang
-            self.dispatcher.fail(error, device=self.experts.w1.device)
-        if not recompute:
-            self.finish_bias_update()
-        try:
-            with self.timeline.compute("router"):
-                routing, route_TK, x_TH = self._route(x, recompute, token_mask)
-        except Exception as err:  # noqa: BLE001 -- any router failure: every rank raises, naming this one
-            self.dispatcher.fail(err, device=self.experts.w1.device)
+            anchor = self.dispatcher.fail(error, device=self.experts.w1.device)  # returns only when deferred
+            if not isinstance(x, torch.Tensor):
+                raise error
+            self.aux_loss = anchor.to(torch.float32)
+            return torch.zeros(x.shape, dtype=self.experts.w1.dtype, device=self.experts.w1.device) + anchor, None
         if not recompute:
             self.aux_loss = routing.aux_loss
         if self.shared_experts is None:
@@ -573,19 +577,17 @@ class MoELayer(nn.Module):
         default) and the experts compute in the autocast dtype; y has x's dtype.
 
         Collective. Any error before rows move (bad x, the router raising on one rank) goes through the
-        Dispatcher's exchange: every rank raises, naming the rank, and the group stays usable. Where the
-        Dispatcher defers its reads (end_check="deferred", the sync-free mode) a rank that fails mid-call
-        raises at once and still issues the load collective below, so the ranks' collectives stay paired."""
+        Dispatcher's exchange: every rank raises, naming the rank, and the group stays usable. In the
+        sync-free mode (after its first call) failures are deferred: the failing rank returns zeros shaped
+        like x (routing None), issues every collective its peers issue, and all raise at
+        ``moe_comm.check``."""
         recompute = in_backward()  # activation checkpointing: this forward already ran once
-        try:
-            y_TH, routing = self._dispatch(x, token_mask, recompute)
-        except BaseException:
-            if self.dispatcher.failed_alone and not recompute:
-                self.finish_bias_update()  # as the peers did in this forward (a no-op if already done)
-                self._record_load(None)  # the peers issue theirs: this rank's counts are zero
-            raise
+        if not recompute:
+            self.finish_bias_update()
+        y_TH, routing = self._dispatch(x, token_mask, recompute)
         # After the dispatch: its counts exchange already made every rank raise on a bad input, so the
-        # monitor's collective is issued by all ranks or by none. A recompute counts nothing twice.
+        # monitor's collective is issued by all ranks or by none (a sync-free rank that failed records zero
+        # counts, as its peers issue theirs). A recompute counts nothing twice.
         if not recompute:
             self._record_load(routing)
         y = y_TH.reshape(x.shape)
