@@ -39,6 +39,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from moe_comm import _wgrad
 from moe_comm.comm.channel import as_collective_error
 from moe_comm.comm.wire import Failure, Phase
 from moe_comm.dispatch.autotune import call_expert_fn, now
@@ -136,10 +137,12 @@ class _PipelinedExperts(torch.autograd.Function):
 
 
 def _schedule(run: _Run, src_NH: torch.Tensor, out_NH: torch.Tensor, compute, phases: Tuple[str, str],
-              direction: str, end: Phase, before=None, failed: Optional[BaseException] = None) -> torch.Tensor:
+              direction: str, end: Phase, before=None, failed: Optional[BaseException] = None,
+              after=None) -> torch.Tensor:
     """The one chunk schedule, forward and backward: rows of chunk c go to the experts' ranks (phases[0]),
     ``compute(c, rows_RH)`` runs there, its result goes back into ``out_NH`` (phases[1]); chunk c+1 travels
-    while chunk c computes. ``before()`` runs while chunk 0 travels. A failure on this rank keeps the schedule
+    while chunk c computes. ``before()`` runs while chunk 0 travels; ``after(c)`` once chunk c's result is on
+    its way back. A failure on this rank keeps the schedule
     with placeholder rows and is raised on every rank by the end-of-phase exchange ``end``; ``failed``: this
     rank failed before the schedule (placeholder rows from the start)."""
     d, handle = run.dispatcher, run.handle
@@ -166,6 +169,8 @@ def _schedule(run: _Run, src_NH: torch.Tensor, out_NH: torch.Tensor, compute, ph
             back_RH = rows_RH
         back.append(transport.to_tokens(back_RH, p, out_NH.narrow(0, p.row_offset, p.num_rows), phase=phases[1],
                                         direction=direction))
+        if after is not None:
+            failure.catch(c, after, c)
     for c, b in enumerate(back):
         _wait(b, failure, c, chunks[c].num_rows, src_NH)
     failure.close(d, end, handle)
@@ -205,18 +210,27 @@ def _backward(run: _Run, grad_y_NH: torch.Tensor, failed: Optional[BaseException
     # The gradient of combine goes the dispatch way (to the experts' ranks), the input gradient comes back.
     tl = run.dispatcher.timeline
 
+    weight_grads = {}
+
     def experts_backward(c: int, g_RH: torch.Tensor) -> torch.Tensor:
+        # The input gradient first: it travels back while this chunk's weight gradients compute (_wgrad).
         with tl.compute("experts", chunk=c, direction="bwd"):
             t_in, out_RH = run.expert_io[c]
             run.expert_io[c] = None  # free the chunk's activations once its backward ran
-            if out_RH.requires_grad:
-                torch.autograd.backward([out_RH], [g_RH.to(out_RH.dtype)])
+            with _wgrad.deferring() as weight_grads[c]:
+                if out_RH.requires_grad:
+                    torch.autograd.backward([out_RH], [g_RH.to(out_RH.dtype)])
             g_in = t_in.grad if t_in.grad is not None else torch.zeros_like(t_in)
             return g_in.to(grad_y_NH.dtype)
 
+    def experts_weight_grads(c: int) -> None:
+        if c in weight_grads:
+            with tl.compute("experts_wgrad", chunk=c, direction="bwd"):
+                weight_grads.pop(c).run()
+
     grad_x_NH = torch.empty_like(grad_y_NH)
     out = _schedule(run, grad_y_NH, grad_x_NH, experts_backward, ("combine", "dispatch"), "bwd", Phase.BACKWARD_END,
-                    failed=failed)
+                    failed=failed, after=experts_weight_grads)
     run.expert_io = []
     return out
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_comm import _wgrad
 from moe_comm._checks import check_int, check_int_list
 
 __all__ = ["GroupedExperts", "SwiGLU", "swiglu", "PlacedExperts"]
@@ -112,6 +113,16 @@ def _use_grouped_mm(x_RH: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: 
     return (padded or x_RH.device.type != "cpu") and _grouped_mm_works(x_RH, w1, w3, w2)
 
 
+def _input_then_weight_grads(gx, weight_grads, weights) -> tuple:
+    """(gx, gw1, gw3, gw2) of an expert backward. Inside the pipeline's backward (``_wgrad.active()``) the
+    weight gradients are queued and computed while gx travels back: (gx, None, None, None)."""
+    collector = _wgrad.active()
+    if collector is not None and gx is not None:
+        collector.add(weight_grads, weights)
+        return (gx, None, None, None)
+    return (gx, *weight_grads())
+
+
 class _GroupedSwiGLU(torch.autograd.Function):
     """The SwiGLU of ``_LoopSwiGLU`` with torch._grouped_mm over offs = cumsum(tokens_per_expert_e): no
     host read of the counts. Only where ``_grouped_mm_works`` holds.
@@ -150,24 +161,26 @@ class _GroupedSwiGLU(torch.autograd.Function):
         ga = gmm(g_RH, w2, offs=offs_e)                      # [R, F]
         gh3 = ga * silu
         gh1 = ga * h3 * (sig * (1 + h1 * (1 - sig)))         # d silu / d h1
-        gx = gw1 = gw3 = gw2 = None
+        gx = None
         if ctx.needs_input_grad[0]:
             gx = gmm(gh1, w1, offs=offs_e)
             gx += gmm(gh3, w3, offs=offs_e)
             if ctx.padded:
                 gx.masked_fill_(pad_R1, 0)
-        if ctx.needs_input_grad[1]:
-            gw1 = gmm(gh1.mT, x_RH, offs=offs_e)               # [e, F, H]
-        if ctx.needs_input_grad[2]:
-            gw3 = gmm(gh3.mT, x_RH, offs=offs_e)
-        if ctx.needs_input_grad[3]:
-            gw2 = gmm(g_RH.mT, silu * h3, offs=offs_e)         # [e, H, F]
-        if x_RH.device.type in _GMM_ZERO_EMPTY_DEVICES:
-            empty_e11 = (tokens_per_expert_e == 0)[:, None, None]
-            for gw in (gw1, gw3, gw2):
-                if gw is not None:
-                    gw.masked_fill_(empty_e11, 0)
-        return gx, gw1, gw3, gw2, None, None
+        needs = ctx.needs_input_grad
+
+        def weight_grads():
+            gw1 = gmm(gh1.mT, x_RH, offs=offs_e) if needs[1] else None          # [e, F, H]
+            gw3 = gmm(gh3.mT, x_RH, offs=offs_e) if needs[2] else None
+            gw2 = gmm(g_RH.mT, silu * h3, offs=offs_e) if needs[3] else None    # [e, H, F]
+            if x_RH.device.type in _GMM_ZERO_EMPTY_DEVICES:
+                empty_e11 = (tokens_per_expert_e == 0)[:, None, None]
+                for gw in (gw1, gw3, gw2):
+                    if gw is not None:
+                        gw.masked_fill_(empty_e11, 0)
+            return gw1, gw3, gw2
+
+        return _input_then_weight_grads(gx, weight_grads, (w1, w3, w2)) + (None, None)
 
 
 class _BmmSwiGLU(torch.autograd.Function):
@@ -190,10 +203,13 @@ class _BmmSwiGLU(torch.autograd.Function):
         gh3 = ga * silu
         gh1 = ga * h3 * (sig * (1 + h1 * (1 - sig)))
         gx = torch.baddbmm(torch.bmm(gh1, w1), gh3, w3) if ctx.needs_input_grad[0] else None
-        gw1 = torch.bmm(gh1.mT, x_ECH) if ctx.needs_input_grad[1] else None
-        gw3 = torch.bmm(gh3.mT, x_ECH) if ctx.needs_input_grad[2] else None
-        gw2 = torch.bmm(g_ECH.mT, silu * h3) if ctx.needs_input_grad[3] else None
-        return gx, gw1, gw3, gw2
+        needs = ctx.needs_input_grad
+
+        def weight_grads():
+            return (torch.bmm(gh1.mT, x_ECH) if needs[1] else None, torch.bmm(gh3.mT, x_ECH) if needs[2] else None,
+                    torch.bmm(g_ECH.mT, silu * h3) if needs[3] else None)
+
+        return _input_then_weight_grads(gx, weight_grads, (w1, w3, w2))
 
 
 def _padded_bmm_swiglu(x_RH, w1, w3, w2, tokens_per_expert_e) -> torch.Tensor:
@@ -257,8 +273,7 @@ class _LoopSwiGLU(torch.autograd.Function):
         h1s, h3s = acts[:used], acts[used:]
         g_RH = g_RH.contiguous()
         gx = torch.empty_like(x_RH) if ctx.needs_input_grad[0] else None
-        gw1, gw3, gw2 = torch.zeros_like(w1), torch.zeros_like(w3), torch.zeros_like(w2)
-        start, k = 0, 0
+        parts, start, k = [], 0, 0  # per expert with rows: what its weight gradients need
         for i, n in enumerate(counts):
             if not n:
                 continue
@@ -267,17 +282,24 @@ class _LoopSwiGLU(torch.autograd.Function):
             sig = torch.sigmoid(h1)
             silu = h1 * sig
             ga = g @ w2[i]                                   # [n, F]
-            torch.mm(g.t(), silu * h3, out=gw2[i])           # [H, F]
             gh3 = ga * silu
             gh1 = ga * h3 * (sig * (1 + h1 * (1 - sig)))     # d silu / d h1
-            torch.mm(gh1.t(), x, out=gw1[i])                 # [F, H]
-            torch.mm(gh3.t(), x, out=gw3[i])
             if gx is not None:
                 torch.mm(gh1, w1[i], out=gx[start:start + n])
                 gx[start:start + n].addmm_(gh3, w3[i])
+            parts.append((i, x, g, gh1, gh3, silu * h3))
             start += n
             k += 1
-        return gx, gw1, gw3, gw2, None
+
+        def weight_grads():
+            gw1, gw3, gw2 = torch.zeros_like(w1), torch.zeros_like(w3), torch.zeros_like(w2)
+            for i, x, g, gh1, gh3, act in parts:
+                torch.mm(g.t(), act, out=gw2[i])             # [H, F]
+                torch.mm(gh1.t(), x, out=gw1[i])             # [F, H]
+                torch.mm(gh3.t(), x, out=gw3[i])
+            return gw1, gw3, gw2
+
+        return _input_then_weight_grads(gx, weight_grads, (w1, w3, w2)) + (None,)
 
 
 class GroupedExperts(nn.Module):

@@ -359,3 +359,37 @@ def test_padded_takes_no_host_counts():
     with pytest.raises(ValueError, match="padded=True takes no host counts"):
         ex(torch.randn(5, 8), torch.tensor([2, 2]), counts=[2, 2], padded=True)
     assert GroupedExperts.supports_padded and GroupedExperts.wants_host_counts
+
+
+@pytest.mark.parametrize("path", ["loop", "grouped_padded", "bmm_padded"])
+def test_weight_grads_deferred_equal_immediate(path):
+    """Inside ``_wgrad.deferring()`` the experts' backward gives the input gradient only; ``run()`` then adds
+    bit-identical weight gradients to .grad (through the autocast cast too)."""
+    from moe_comm import _wgrad
+
+    counts = [5, 0, 3]
+    ex = GroupedExperts(3, 8, 16, seed=1)
+    x = torch.randn(sum(counts) + (2 if path != "loop" else 0), 8, generator=torch.Generator().manual_seed(0))
+    g = torch.randn_like(x)
+    kw = dict(counts=counts) if path == "loop" else dict(padded=True)
+    if path == "bmm_padded":
+        ex = GroupedExperts(3, 7, 16, seed=1)  # H = 7 floats: not 16-byte rows, so no torch._grouped_mm
+        x, g = x[:, :7].contiguous(), g[:, :7].contiguous()
+
+    def grads(defer, amp):
+        ex.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            y = ex(xi, torch.tensor(counts), **kw)
+        if defer:
+            with _wgrad.deferring() as later:
+                y.backward(g.to(y.dtype))
+            assert all(p.grad is None for p in ex.parameters()), "weight gradients wait for run()"
+            later.run()
+        else:
+            y.backward(g.to(y.dtype))
+        return [xi.grad] + [p.grad.clone() for p in (ex.w1, ex.w3, ex.w2)]
+
+    for amp in (False, True):
+        for a, b in zip(grads(True, amp), grads(False, amp)):
+            assert torch.equal(a, b)
