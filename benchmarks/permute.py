@@ -9,11 +9,15 @@ N*H and writes T*H. The limit each kernel chases is a plain memcpy moving the sa
 (``dst.copy_(src)`` into an already-touched buffer; on CUDA a device-to-device copy); "of copy" is GB/s
 over that copy's GB/s.
 Every kernel is timed writing into a reused ``out=`` buffer (the persistent-workspace case) and into a
-freshly allocated output (which adds first-touch page faults). Times are medians over ``--repeats``
-rounds after warm-up; each round runs every kernel once (interleaved, so machine noise hits all alike).
+freshly allocated output (torch's paths page-fault it on first touch; the native launchers take it from
+their output cache), and on CPU the user-facing ``ops.permute`` / ``ops.unpermute`` plain calls (autograd
+op, backend "auto", no ``out=``). Times are medians over ``--repeats`` rounds after ``--warmup`` untimed
+calls each; each round runs every kernel once (interleaved, so machine noise hits all alike). "faults" is
+the median count of minor page faults per call (CPU; 16384 for a fresh 64 MB output in 4 KB pages).
 
     python benchmarks/permute.py --json /tmp/permute.json
     python benchmarks/permute.py --tokens 4096 --hidden 4096 --dtype bfloat16 --threads 1
+    python benchmarks/permute.py --threads 1 --cache-freed-memory --warmup 0 --repeats 8   # early calls
     python benchmarks/permute.py --devices cuda        # CUDA only (Triton kernels vs device copy)
 """
 from __future__ import annotations
@@ -22,33 +26,52 @@ import argparse
 import json
 import statistics
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
+from moe_comm import ops
 from moe_comm.kernels import native, reference, triton_ops
 from moe_comm.ops.layout import make_layout
+
+try:
+    import resource
+except ImportError:  # not POSIX: no fault counts
+    resource = None
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WARMUP = 3
 
 
-def interleaved_times(fns: List[Callable[[], object]], repeats: int, sync: Callable[[], None]) -> List[List[float]]:
-    """Wall times of each fn: ``WARMUP`` untimed calls each, then ``repeats`` rounds calling every fn
-    once per round, so a noisy neighbour slows all kernels alike instead of whichever ran at the time.
+def minor_faults() -> int:
+    """Minor page faults of this process so far (-1 where unknown)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource is not None else -1
+
+
+def interleaved_times(fns: List[Callable[[], object]], repeats: int, sync: Callable[[], None],
+                      warmup: int = WARMUP) -> Tuple[List[List[float]], List[List[int]]]:
+    """Wall times and minor page faults of each call of each fn: ``warmup`` untimed calls each, then
+    ``repeats`` rounds calling every fn once per round, so a noisy neighbour slows all kernels alike
+    instead of whichever ran at the time. A result is kept until that fn's next call (as ``y = f(x)`` in
+    a loop does), so a fresh output is allocated while the previous one is alive.
     ``sync`` waits for the device (CUDA: torch.cuda.synchronize; CPU: nothing to wait for)."""
-    for fn in fns:
-        for _ in range(WARMUP):
-            fn()
+    kept: List[object] = [None] * len(fns)
+    for i, fn in enumerate(fns):
+        for _ in range(warmup):
+            kept[i] = fn()
     times: List[List[float]] = [[] for _ in fns]
+    faults: List[List[int]] = [[] for _ in fns]
     for _ in range(repeats):
-        for fn, ts in zip(fns, times):
+        for i, fn in enumerate(fns):
             sync()
+            f0 = minor_faults()
             t0 = time.perf_counter()
-            fn()
+            result = fn()
             sync()  # host sync: benchmark timing
-            ts.append(time.perf_counter() - t0)
-    return times
+            times[i].append(time.perf_counter() - t0)
+            faults[i].append(minor_faults() - f0)
+            kept[i] = result
+    return times, faults
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -59,6 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--experts", type=int, default=16, help="E")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=WARMUP, help="untimed calls of each kernel first")
+    p.add_argument("--cache-freed-memory", action="store_true",
+                   help="call moe_comm.tools.launch.cache_freed_memory() first, as the README tells CPU ranks")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--devices", default="cpu,cuda",
@@ -100,7 +126,7 @@ def run(args: argparse.Namespace, device: str = "cpu") -> Dict[str, object]:
                 (("permute", permute_bytes), ("unpermute", unpermute_bytes))}
     copy_dst = {op: torch.ones_like(src) for op, src in copy_src.items()}
 
-    cases = [  # (op, name, fn)
+    cases = [  # (op, name, fn); fns return their output, kept until their next call
         ("permute", f"{copy} (dst.copy_(src))", lambda: copy_dst["permute"].copy_(copy_src["permute"])),
         ("permute", "torch index_select, fresh", lambda: x_TH.index_select(0, token_N)),
         ("permute", "torch index_select, out=", lambda: torch.index_select(x_TH, 0, token_N, out=perm_out_NH)),
@@ -113,20 +139,24 @@ def run(args: argparse.Namespace, device: str = "cpu") -> Dict[str, object]:
         ("unpermute", f"{kname}, out=", lambda: impl.unpermute_rows(y_NH, row_TK, weight_TK, out=unperm_out_TH)),
         ("unpermute", f"{kname}, fresh", lambda: impl.unpermute_rows(y_NH, row_TK, weight_TK)),
     ]
-    all_times = interleaved_times([fn for _, _, fn in cases], args.repeats, sync)
+    if device == "cpu":  # the user-facing calls: autograd op, backend "auto", output allocated inside
+        cases.insert(5, ("permute", "ops.permute, plain call", lambda: ops.permute(x_TH, layout)))
+        cases.append(("unpermute", "ops.unpermute, plain call", lambda: ops.unpermute(y_NH, layout, weight_TK)))
+    all_times, all_faults = interleaved_times([fn for _, _, fn in cases], args.repeats, sync, args.warmup)
     results = []
     memcpy_gbps = {}
-    for (op, name, _), times in zip(cases, all_times):
+    for (op, name, _), times, faults in zip(cases, all_times, all_faults):
         med = statistics.median(times)
         nbytes = permute_bytes if op == "permute" else unpermute_bytes
         gbps = nbytes / med / 1e9
         if name.startswith(copy):
             memcpy_gbps[op] = gbps
         results.append({"op": op, "name": name, "bytes": nbytes, "median_s": med, "min_s": min(times),
-                        "gbps": gbps, "frac_memcpy": gbps / memcpy_gbps[op], "times_s": times})
+                        "gbps": gbps, "frac_memcpy": gbps / memcpy_gbps[op], "times_s": times,
+                        "median_faults": statistics.median(faults), "faults": faults})
     config = {"device": device, "tokens": T, "hidden": H, "topk": K, "experts": E, "rows": N, "dtype": args.dtype,
-              "repeats": args.repeats, "warmup": WARMUP, "threads": torch.get_num_threads(), "seed": args.seed,
-              "torch": torch.__version__}
+              "repeats": args.repeats, "warmup": args.warmup, "threads": torch.get_num_threads(), "seed": args.seed,
+              "cache_freed_memory": args.cache_freed_memory, "torch": torch.__version__}
     return {"config": config, "results": results}
 
 
@@ -135,9 +165,11 @@ def print_table(report: Dict[str, object]) -> None:
     title = (f"permute / unpermute on {cfg['device']}, "
              f"T={cfg['tokens']} H={cfg['hidden']} K={cfg['topk']} E={cfg['experts']} "
              f"{cfg['dtype']}, {cfg['threads']} threads, median of {cfg['repeats']}")
-    header = ("op", "kernel", "ms", "GB/s", "of copy")
-    rows = [(r["op"], r["name"], f"{r['median_s'] * 1e3:.2f}", f"{r['gbps']:.2f}", f"{r['frac_memcpy']:.0%}")
-            for r in report["results"]]
+    if cfg.get("cache_freed_memory"):
+        title += ", cache_freed_memory"
+    header = ("op", "kernel", "ms", "GB/s", "of copy", "faults")
+    rows = [(r["op"], r["name"], f"{r['median_s'] * 1e3:.2f}", f"{r['gbps']:.2f}", f"{r['frac_memcpy']:.0%}",
+             f"{r['median_faults']:.0f}") for r in report["results"]]
     try:
         from rich.console import Console
         from rich.table import Table
@@ -157,6 +189,10 @@ def print_table(report: Dict[str, object]) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.cache_freed_memory:
+        from moe_comm.tools.launch import cache_freed_memory
+        if not cache_freed_memory():
+            print("cache_freed_memory: mallopt unavailable (not glibc); continuing without it")
     devices = [d for d in args.devices.split(",") if d]
     bad = [d for d in devices if d not in ("cpu", "cuda")]
     if bad:

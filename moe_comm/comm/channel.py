@@ -89,7 +89,8 @@ class Channel:
         hdr = list(hdr)
         hdr[Word.FAILED] = int(failed)
         message = None if local_error is None else f"{type(local_error).__name__}: {local_error}"
-        row = torch.cat([torch.tensor(hdr, dtype=torch.int64), encode_message(message)]).to(dev, non_blocking=True)
+        hdr_X = torch.tensor(hdr, dtype=torch.int64, device="cpu")  # host ints, whatever the default device
+        row = torch.cat([hdr_X, encode_message(message)]).to(dev, non_blocking=True)
         send_WX = torch.zeros(W, self.width, dtype=torch.int64, device=dev)
         send_WX[:, :HEADER_WORDS + MESSAGE_WORDS] = row
         if dynamic is not None:

@@ -113,7 +113,7 @@ def header(phase: Phase, *, dispatcher: int, call: int, chunks: int, experts: in
 def encode_message(text: Optional[str]) -> torch.Tensor:
     """UTF-8 text, cut to 256 bytes, as a CPU int64 [MESSAGE_WORDS] tensor (zeros: no message)."""
     data = (text or "").encode("utf-8", "replace")[:MESSAGE_WORDS * 8]
-    buf = torch.zeros(MESSAGE_WORDS * 8, dtype=torch.uint8)
+    buf = torch.zeros(MESSAGE_WORDS * 8, dtype=torch.uint8, device="cpu")  # host ints, whatever the default device
     if data:
         buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return buf.view(torch.int64)

@@ -10,6 +10,11 @@ contiguous, cast weights and scales to the accumulation dtype and allocate outpu
 Semantics are those of ``reference.py`` and ``moe_comm.ops.layout.layout_reference``: permute and
 unpermute are bit-identical to the reference (for finite rows), ``make_layout`` is exactly equal.
 
+Fresh outputs (no ``out=``, and the staging buffer of a non-contiguous ``out``) come from the extension's
+output cache: freed blocks of 1 MiB and more are kept (up to ``set_output_cache_limit``, default 1 GiB idle)
+and reused by the next output they fit, so a plain call does not page-fault its output once the previous
+output of that size was freed (``output_cache_stats`` counts hits and misses).
+
 The extension is JIT-built on the first ``available()`` call with ``torch.utils.cpp_extension.load`` into
 torch's extensions cache (so later processes reuse it; concurrent builders wait on torch's file lock).
 If it cannot be built (no compiler, missing sources) ``available()`` warns once and returns False, and
@@ -23,14 +28,15 @@ import time
 import warnings
 from pathlib import Path
 from types import ModuleType
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from moe_comm._checks import check_int, check_out, check_tensor
 from moe_comm.kernels.reference import acc_dtype
 
-__all__ = ["available", "permute_rows", "unpermute_rows", "unpermute_weight_grad", "make_layout"]
+__all__ = ["available", "permute_rows", "unpermute_rows", "unpermute_weight_grad", "make_layout",
+           "output_cache_stats", "set_output_cache_limit"]
 
 _CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 _SOURCES = ("permute.cpp",)
@@ -109,17 +115,48 @@ def _index(name: str, t, dim: int) -> torch.Tensor:
     return check_tensor(name, t, device=_CPU, dim=dim, integer=True).to(torch.int64).contiguous()
 
 
-def _write(out: Optional[torch.Tensor], shape: Tuple[int, int], dtype: torch.dtype, like: str, fill) -> torch.Tensor:
-    """``fill(dst)`` into ``out`` (checked: ``shape`` and the dtype of the argument named ``like``) or a new
-    tensor; a non-contiguous ``out`` gets a contiguous staging buffer copied in after (the kernels write
-    dense rows)."""
+def _write(out: Optional[torch.Tensor], shape: Tuple[int, int], like_t: torch.Tensor, like: str,
+           fill) -> torch.Tensor:
+    """``fill(dst)`` into ``out`` (checked: ``shape`` and the dtype of ``like_t``, the argument named ``like``)
+    or a new tensor from the output cache; a non-contiguous ``out`` gets a contiguous staging buffer (also
+    from the cache) copied in after (the kernels write dense rows)."""
+    ext = _ext()
     if out is None:
-        out = torch.empty(shape, dtype=dtype)
+        out = ext.empty_cached(shape, like_t)
     else:
-        check_out("out", out, shape, dtype, _CPU, like=like, contiguous=False)
-    dst = out if out.is_contiguous() else torch.empty(shape, dtype=dtype)
+        check_out("out", out, shape, like_t.dtype, _CPU, like=like, contiguous=False)
+    dst = out if out.is_contiguous() else ext.empty_cached(shape, like_t)
     fill(dst)
     return out if dst is out else out.copy_(dst)
+
+
+def output_cache_stats() -> Dict[str, int]:
+    """Counters of the output cache the launchers allocate fresh outputs from.
+
+    Returns: ``idle_bytes`` (freed blocks kept for reuse), ``mapped_bytes`` (idle plus in use),
+    ``limit_bytes``, ``hits`` (outputs that reused a block: no page faults), ``misses`` (new blocks).
+    Only outputs of at least 1 MiB go through the cache; smaller ones come from torch's allocator.
+    """
+    idle, mapped, limit, hits, misses = _ext().output_cache_stats()
+    return {"idle_bytes": idle, "mapped_bytes": mapped, "limit_bytes": limit, "hits": hits, "misses": misses}
+
+
+def set_output_cache_limit(limit_bytes: int) -> int:
+    """Keep at most ``limit_bytes`` of freed output blocks for reuse (default 1 GiB); returns the old limit.
+
+    Lowering it unmaps idle blocks at once (0 empties the cache); blocks in use are never affected.
+    The cost of the cache is that resident memory stays up to this much above what tensors hold.
+    """
+    check_int("limit_bytes", limit_bytes, 0)
+    return _ext().set_output_cache_limit(limit_bytes)
+
+
+def _kernel_config(stream_min_bytes: Optional[int] = None, use_avx2: Optional[bool] = None) -> Tuple[int, bool]:
+    """Tuning and test hook: set the output size from which rows are written with streaming stores and
+    whether the AVX2 + F16C row loops run (ValueError where the CPU lacks them); returns both as set."""
+    got = _ext().kernel_config(-1 if stream_min_bytes is None else stream_min_bytes,
+                               -1 if use_avx2 is None else int(use_avx2))
+    return got[0], bool(got[1])
 
 
 def permute_rows(x_TH: torch.Tensor, token_N: torch.Tensor, scale_N: Optional[torch.Tensor] = None,
@@ -147,7 +184,7 @@ def permute_rows(x_TH: torch.Tensor, token_N: torch.Tensor, scale_N: Optional[to
         check_tensor("scale_N", scale_N, device=_CPU, shape=(N,), shape_from="token_N's length", dtypes=_FLOAT_DTYPES)
         scale_N = scale_N.to(acc_dtype(x_TH.dtype)).contiguous()
     x_TH = x_TH.contiguous()
-    return _write(out, (N, H), x_TH.dtype, "x_TH", lambda dst: _ext().permute_rows(x_TH, token_N, scale_N, dst))
+    return _write(out, (N, H), x_TH, "x_TH", lambda dst: _ext().permute_rows(x_TH, token_N, scale_N, dst))
 
 
 def unpermute_rows(y_NH: torch.Tensor, row_TK: torch.Tensor, weight_TK: Optional[torch.Tensor] = None,
@@ -174,7 +211,7 @@ def unpermute_rows(y_NH: torch.Tensor, row_TK: torch.Tensor, weight_TK: Optional
                      dtypes=_FLOAT_DTYPES)
         weight_TK = weight_TK.to(acc_dtype(y_NH.dtype)).contiguous()
     y_NH = y_NH.contiguous()
-    return _write(out, (T, H), y_NH.dtype, "y_NH", lambda dst: _ext().unpermute_rows(y_NH, row_TK, weight_TK, dst))
+    return _write(out, (T, H), y_NH, "y_NH", lambda dst: _ext().unpermute_rows(y_NH, row_TK, weight_TK, dst))
 
 
 def unpermute_weight_grad(grad_TH: torch.Tensor, y_NH: torch.Tensor, row_TK: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,12 @@
 """Tier 1: pure logic, no processes. The C++ CPU kernels (``moe_comm.kernels.native``) against the oracles.
 
 Every launcher is compared with ``moe_comm.kernels.reference`` / ``moe_comm.ops.layout.layout_reference``:
-permute bit for bit (any dtype, with and without scale), unpermute bit for bit for float32/float64 and
-close for bfloat16/float16, its weight gradient close, make_layout exactly. Covers dropped slots (-1),
-T = 0, experts with zero tokens, K = 1..4 (and K = 6, which takes the column-tile path), non-contiguous
-inputs and outputs, invalid expert ids and several chunks.
+permute bit for bit (any dtype, with and without scale), unpermute bit for bit (every float dtype), its
+weight gradient close, make_layout exactly. Covers dropped slots (-1), T = 0, experts with zero tokens,
+K = 1..4 (and K = 6, which takes the column-tile path), non-contiguous inputs and outputs, invalid expert
+ids and several chunks. Each kernel path (AVX2 + F16C row loops or the generic ones, streaming stores or
+plain) is forced in turn with ``native._kernel_config``; the output cache the launchers allocate fresh
+outputs from is checked for reuse, its limit and resizing.
 
 Shapes legend: T tokens, K top-k slots, S = T*K slots, N routed rows, H hidden size, E experts, C chunks.
 
@@ -13,6 +15,11 @@ must be noticed, not hidden behind the torch fallback.
 """
 import shutil
 import warnings
+
+try:
+    import resource
+except ImportError:  # not POSIX
+    resource = None
 
 import pytest
 import torch
@@ -175,6 +182,151 @@ def test_unpermute_token_payload_reads_back():
     topk_idx_TK, token_N, row_TK = routing(T, 1, 3, seed=13)
     y_NH = token_rows(T, H, torch.float32).index_select(0, token_N)
     assert_bitwise(native.unpermute_rows(y_NH, row_TK), token_rows(T, H, torch.float32))
+
+
+# ---------------------------------------------------------------------------------------------------
+# kernel paths: AVX2 + F16C row loops or the generic ones, streaming stores or plain
+# ---------------------------------------------------------------------------------------------------
+@pytest.fixture(params=[(True, True), (True, False), (False, True), (False, False)],
+                ids=["avx2-stream", "avx2-store", "generic-stream", "generic-store"])
+def kernel_path(request):
+    """Forces one path for the test (streaming from 0 bytes, or never), then restores the defaults."""
+    use_avx2, stream = request.param
+    saved = native._kernel_config()
+    try:
+        native._kernel_config(stream_min_bytes=0 if stream else 2 ** 62, use_avx2=use_avx2)
+    except ValueError:
+        pytest.skip("this CPU (or compiler) has no AVX2 + F16C path")
+    yield request.param
+    native._kernel_config(*saved)
+
+
+def misaligned_out(n, H, dtype):
+    """A contiguous [n, H] buffer starting one element past a 64-byte boundary: the streaming stores'
+    unaligned head (and, for most H, unaligned rows)."""
+    return torch.full((n * H + 1,), 7, dtype=dtype)[1:].view(n, H)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("H", [1, 7, 8, 9, 33, 1031])
+def test_paths_permute_bitwise(kernel_path, dtype, H):
+    T, K, E = 19, 2, 5
+    _, token_N, _ = routing(T, K, E, drop=0.2, seed=H)
+    N = token_N.numel()
+    x_TH = random_rows(T, H, dtype, seed=21)
+    scale_N = torch.rand(N, generator=torch.Generator().manual_seed(22)).to(reference.acc_dtype(dtype))
+    assert_bitwise(native.permute_rows(x_TH, token_N), reference.permute_rows(x_TH, token_N))
+    want = reference.permute_rows(x_TH, token_N, scale_N)
+    assert_bitwise(native.permute_rows(x_TH, token_N, scale_N), want)
+    out = misaligned_out(N, H, dtype)
+    assert native.permute_rows(x_TH, token_N, scale_N, out=out) is out
+    assert_bitwise(out, want)
+    out_HN = torch.zeros(H, N, dtype=dtype)  # non-contiguous out: staged, then copied in
+    native.permute_rows(x_TH, token_N, out=out_HN.t())
+    assert_bitwise(out_HN.t(), reference.permute_rows(x_TH, token_N))
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("K,H", [(1, 1), (2, 7), (2, 9), (3, 33), (4, 16), (6, 1031), (2, 2053)])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_paths_unpermute_bitwise(kernel_path, dtype, K, H, weighted):
+    # K = 6 > 4 rows: the column-tile path, its last group streamed; H = 1031, 2053 cross 1024-column
+    # tiles with a ragged end; odd H leaves rows unaligned for the streaming stores.
+    T, E = 23, 6
+    _, token_N, row_TK = routing(T, K, E, drop=0.25, seed=K * H)
+    row_TK[0] = -1  # every slot of token 0 dropped: a row of +0
+    y_NH = random_rows(token_N.numel(), H, dtype, seed=23)
+    weight_TK = torch.rand(T, K, generator=torch.Generator().manual_seed(24)) if weighted else None
+    if weighted and dtype == torch.float64:
+        weight_TK = weight_TK.double()
+    want = reference.unpermute_rows(y_NH, row_TK, weight_TK)
+    assert_bitwise(native.unpermute_rows(y_NH, row_TK, weight_TK), want)
+    assert torch.equal(want[0], torch.zeros(H, dtype=dtype))
+    out = misaligned_out(T, H, dtype)
+    assert native.unpermute_rows(y_NH, row_TK, weight_TK, out=out) is out
+    assert_bitwise(out, want)
+    out_HT = torch.zeros(H, T, dtype=dtype)
+    native.unpermute_rows(y_NH, row_TK, weight_TK, out=out_HT.t())
+    assert_bitwise(out_HT.t(), want)
+
+
+def test_paths_empty_inputs(kernel_path):
+    for dtype in FLOATS:
+        assert native.permute_rows(random_rows(0, 8, dtype, 0), torch.zeros(0, dtype=torch.int64)).shape == (0, 8)
+        assert native.permute_rows(random_rows(3, 0, dtype, 0), torch.tensor([2, 0])).shape == (2, 0)
+        scale = torch.ones(2, dtype=reference.acc_dtype(dtype))
+        assert native.permute_rows(random_rows(3, 0, dtype, 0), torch.tensor([2, 0]), scale).shape == (2, 0)
+        assert native.unpermute_rows(random_rows(0, 5, dtype, 0), torch.zeros(0, 2, dtype=torch.int64)).shape == (0, 5)
+        got = native.unpermute_rows(random_rows(0, 5, dtype, 0), torch.full((3, 2), -1))  # N = 0, all dropped
+        assert torch.equal(got, torch.zeros(3, 5, dtype=dtype))
+        assert native.unpermute_rows(random_rows(4, 0, dtype, 0), torch.tensor([[1, 3]])).shape == (1, 0)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_paths_nan_rows_stay_nan(kernel_path, dtype):
+    # NaN bit patterns differ between torch's own paths (bf16: 0x7FC0 scalar, 0xFFFF vectorised), so
+    # only where NaNs land is compared; every other element stays bit for bit.
+    T, K, H = 9, 2, 37
+    _, token_N, row_TK = routing(T, K, 4, seed=25)
+    y_NH = random_rows(token_N.numel(), H, dtype, seed=26)
+    y_NH[1, 3] = float("nan")
+    got = native.unpermute_rows(y_NH, row_TK, torch.rand(T, K).to(reference.acc_dtype(dtype)))
+    want = reference.unpermute_rows(y_NH, row_TK, torch.rand(T, K).to(reference.acc_dtype(dtype)))
+    assert torch.equal(got.isnan(), want.isnan()) and got.isnan().sum() == 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# output cache: fresh outputs of 1 MiB and more reuse freed blocks
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.skipif(resource is None, reason="page fault counts need the resource module")
+def test_plain_calls_reuse_cached_blocks_without_page_faults():
+    # 16 MiB fp32 output; each result is kept until the next call returns, as `y = f(x)` in a loop does.
+    T, K, E, H = 2048, 2, 8, 2048
+    _, token_N, row_TK = routing(T, K, E, seed=27)
+    y_NH = random_rows(token_N.numel(), H, torch.float32, seed=28)
+    weight_TK = torch.rand(T, K, generator=torch.Generator().manual_seed(29))
+    want = reference.unpermute_rows(y_NH, row_TK, weight_TK)
+    y_TH = native.unpermute_rows(y_NH, row_TK, weight_TK)
+    y_TH = native.unpermute_rows(y_NH, row_TK, weight_TK)  # two blocks in play from here on
+    before = native.output_cache_stats()
+    faults = []
+    for _ in range(4):
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        y_TH = native.unpermute_rows(y_NH, row_TK, weight_TK)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    after = native.output_cache_stats()
+    assert after["hits"] - before["hits"] == 4 and after["misses"] == before["misses"]
+    assert max(faults) < 100, faults  # a fresh 16 MiB in 4 KiB pages: 4096
+    assert_bitwise(y_TH, want)
+
+
+def test_output_cache_limit_resize_and_small_outputs():
+    x_TH = random_rows(256, 1024, torch.float32, seed=30)  # 1 MiB rows: the cache's smallest size
+    token_N = torch.arange(256)
+    old = native.set_output_cache_limit(0)
+    try:
+        assert native.output_cache_stats()["idle_bytes"] == 0 and native.output_cache_stats()["limit_bytes"] == 0
+        out = native.permute_rows(x_TH, token_N)  # in use: the limit does not touch it
+        mapped = native.output_cache_stats()["mapped_bytes"]
+        assert mapped >= out.nbytes
+        assert native.set_output_cache_limit(1 << 30) == 0
+        del out  # freed below the limit: kept idle
+        assert native.output_cache_stats()["idle_bytes"] >= x_TH.nbytes
+        out = native.permute_rows(x_TH, token_N)
+        out.resize_(512, 1024)  # a cached tensor's storage grows through the same allocator
+        assert_bitwise(out[:256], x_TH)
+        assert native.set_output_cache_limit(0) == 1 << 30  # unmaps every idle block at once
+        assert native.output_cache_stats()["idle_bytes"] == 0
+        del out
+        assert native.output_cache_stats()["idle_bytes"] == 0  # above the limit: unmapped on free
+    finally:
+        native.set_output_cache_limit(old)
+    small = native.permute_rows(x_TH[:, :8], token_N)  # 8 KiB: torch's allocator, not the cache
+    assert_bitwise(small, x_TH[:, :8])
+    with pytest.raises(ValueError, match="limit_bytes"):
+        native.set_output_cache_limit(-1)
+    with pytest.raises(TypeError, match="limit_bytes"):
+        native.set_output_cache_limit(1.5)
 
 
 # ---------------------------------------------------------------------------------------------------

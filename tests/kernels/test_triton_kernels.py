@@ -7,16 +7,17 @@ blocks) because the interpreter runs each program in Python.
 
 Shapes legend: T tokens, K top-k slots, N routed rows, H hidden size, E experts.
 
-Without CUDA the kernels run on CPU tensors in the interpreter. With CUDA (and TRITON_INTERPRET unset)
-the same small checks run compiled on CUDA tensors; ``TestGpu`` (marker ``gpu``, tier 3) adds large
-shapes, including N*H > 2^31 for the int64 offsets.
+The default session (``-m "not gpu"``) runs the kernels on CPU tensors in the interpreter, on CPU and
+CUDA machines alike (tests/conftest.py sets TRITON_INTERPRET=1 unless only ``gpu`` tests are selected).
+With TRITON_INTERPRET=0 on a CUDA machine the same small checks run compiled on CUDA tensors; ``TestGpu``
+(marker ``gpu``, tier 3: ``pytest -m gpu``) adds large shapes, including N*H > 2^31 for the int64 offsets.
 """
 import os
 
 import torch
 
-# Must happen before anything imports triton. Only without CUDA: on a CUDA machine the interpreter
-# would shadow the compiled kernels (tests/conftest.py does the same).
+# Must happen before anything imports triton (tests/conftest.py decides first, at pytest_configure; this
+# covers running the module without it). On a CUDA machine the choice is conftest's.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
