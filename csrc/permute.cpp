@@ -20,8 +20,8 @@
 //     128% streaming with AVX2, 143% adding a prefetch of the next source row's first lines.
 //   - AVX2 + F16C row loops, picked at run time: without F16C every fp16 element goes through c10's
 //     software conversion (fp16 unpermute was 9% of memcpy).
-//   - Fresh outputs come from a cache of touched, huge-page-advised blocks (OutputCache): a fresh 64 MB
-//     output page-faulted 16384 times (62 ms to first-touch with 4 KB pages, 12 ms with 2 MB pages).
+//   - Fresh outputs come from a cache of already-touched blocks (OutputCache): a fresh 64 MB output
+//     page-faulted 16384 times on first touch (55-80 ms, the kernel itself takes 12-20 ms).
 
 #include <torch/extension.h>
 
@@ -37,12 +37,13 @@
 #include <cstring>
 #include <iterator>
 #include <map>
-#include <type_traits>
 #include <mutex>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
 #if defined(__unix__) || defined(__APPLE__)
+#include <pthread.h>
 #include <sys/mman.h>
 #define MOE_HAVE_MMAP 1
 #endif
@@ -400,7 +401,7 @@ struct RowsAvx2 {
 
 namespace {
 
-// Runs fn.template operator()<Rows>() with the row primitives this CPU supports.
+// Runs fn(rows) with rows a RowsAvx2 or RowsGeneric: the row primitives this CPU supports.
 template <typename Fn>
 void with_rows(Fn&& fn) {
 #ifdef MOE_AVX2
@@ -465,14 +466,17 @@ void with_stream(bool stream, Fn&& fn) {
 // the heap took 2 to 8 calls to settle on reusable blocks (fresh processes, 64 MB unpermute outputs:
 // 16384 faults per call until then; a process timed over those calls ran at 31% of memcpy).
 // Here a freed block goes back to an idle list and the next output of a size it fits takes it, touched
-// and fault-free, from the first reuse on. New blocks are 2 MB aligned and advised MADV_HUGEPAGE, so
-// even their first touch faults once per 2 MB. Idle blocks are kept up to a byte limit (default 1 GiB,
-// native.set_output_cache_limit); above it a freed block is unmapped. Thread-safe; the deleter may run
-// on any thread. Blocks below kCacheMinBytes come from torch's allocator (malloc's heap reuses small
-// blocks without faults).
+// and fault-free, from the first reuse on (a `y = f(x)` loop: two new blocks, then none). Block sizes are
+// rounded up to kSizeClass, so outputs whose row count varies a little (dropped slots) share blocks.
+// Idle blocks are kept up to a byte limit (default 1 GiB, native.set_output_cache_limit); above it a freed
+// block is unmapped. Thread-safe; the deleter may run on any thread. Blocks below kCacheMinBytes come
+// from torch's allocator (malloc's heap reuses small blocks without faults).
+// New blocks keep the system's default pages: advising MADV_HUGEPAGE made the first touches slower on
+// this VM (the two faulting calls of a fresh process at 10-20% of memcpy vs 22-29% with 4 KB pages,
+// 5 processes each; 2 MB first touches ranged from 12 to 150 ms), and reused blocks do not fault.
 // ---------------------------------------------------------------------------------------------------
 constexpr size_t kCacheMinBytes = size_t(1) << 20;
-constexpr size_t kHugePage = size_t(2) << 20;
+constexpr size_t kSizeClass = size_t(2) << 20;
 
 class OutputCache final : public c10::Allocator {
  public:
@@ -480,6 +484,14 @@ class OutputCache final : public c10::Allocator {
   static OutputCache& get() {
     static OutputCache* cache = new OutputCache();
     return *cache;
+  }
+
+  OutputCache() {
+#ifdef MOE_HAVE_MMAP
+    // A fork while another thread holds the lock (a tensor freed on an autograd or gloo thread) would
+    // leave the child's copy locked forever: hold it across fork, as glibc does for malloc.
+    pthread_atfork([] { get().mu_.lock(); }, [] { get().mu_.unlock(); }, [] { get().mu_.unlock(); });
+#endif
   }
 
   at::DataPtr allocate(size_t n) override {
@@ -513,7 +525,7 @@ class OutputCache final : public c10::Allocator {
   }
 
  private:
-  static size_t round_up(size_t n) { return (n + kHugePage - 1) / kHugePage * kHugePage; }
+  static size_t round_up(size_t n) { return (n + kSizeClass - 1) / kSizeClass * kSizeClass; }
 
   // An idle block of capacity in [rounded n, 1.25 * rounded n], smallest first, else a new one.
   void* take(size_t n) {
@@ -561,24 +573,13 @@ class OutputCache final : public c10::Allocator {
 #endif
   }
 
-  // bytes (a multiple of kHugePage) at a kHugePage-aligned address, or nullptr.
+  // bytes (a multiple of kSizeClass), page-aligned (torch wants 64), or nullptr.
   static void* map(size_t bytes) {
 #ifdef MOE_HAVE_MMAP
-    const size_t span = bytes + kHugePage;
-    void* raw = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (raw == MAP_FAILED) return nullptr;
-    const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
-    const uintptr_t aligned = (start + kHugePage - 1) / kHugePage * kHugePage;
-    if (aligned > start) munmap(raw, aligned - start);
-    const uintptr_t end = aligned + bytes;
-    if (start + span > end) munmap(reinterpret_cast<void*>(end), start + span - end);
-    void* p = reinterpret_cast<void*>(aligned);
-#ifdef MADV_HUGEPAGE
-    madvise(p, bytes, MADV_HUGEPAGE);  // advice only: without THP the block keeps 4 KB pages
-#endif
-    return p;
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? nullptr : p;
 #else
-    return std::aligned_alloc(kHugePage, bytes);
+    return std::aligned_alloc(64, bytes);
 #endif
   }
 

@@ -115,7 +115,9 @@ def _use_grouped_mm(x_RH: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: 
 
 def _input_then_weight_grads(gx, weight_grads, weights) -> tuple:
     """(gx, gw1, gw3, gw2) of an expert backward. Inside the pipeline's backward (``_wgrad.active()``) the
-    weight gradients are queued and computed while gx travels back: (gx, None, None, None)."""
+    weight gradients are queued and computed while gx travels back: (gx, None, None, None). ``weights``
+    are the forward's input tensors (kept on ctx), not their saved copies: under activation checkpointing a
+    saved tensor unpacks to a recomputed alias that autograd would not route to the Parameter."""
     collector = _wgrad.active()
     if collector is not None and gx is not None:
         collector.add(weight_grads, weights)
@@ -147,6 +149,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
             out_RH.masked_fill_(pad_R1, 0)
         ctx.padded = padded
         ctx.save_for_backward(x_RH, w1, w3, w2, offs_e, tokens_per_expert_e, h1, h3, pad_R1)
+        ctx.weights = (w1, w3, w2)  # the inputs themselves: where deferred weight gradients go
         return out_RH
 
     @staticmethod
@@ -180,7 +183,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
                         gw.masked_fill_(empty_e11, 0)
             return gw1, gw3, gw2
 
-        return _input_then_weight_grads(gx, weight_grads, (w1, w3, w2)) + (None, None)
+        return _input_then_weight_grads(gx, weight_grads, ctx.weights) + (None, None)
 
 
 class _BmmSwiGLU(torch.autograd.Function):
@@ -192,6 +195,7 @@ class _BmmSwiGLU(torch.autograd.Function):
     def forward(ctx, x_ECH, w1, w3, w2):
         h1, h3 = torch.bmm(x_ECH, w1.mT), torch.bmm(x_ECH, w3.mT)
         ctx.save_for_backward(x_ECH, w1, w3, w2, h1, h3)
+        ctx.weights = (w1, w3, w2)  # the inputs themselves: where deferred weight gradients go
         return torch.bmm(F.silu(h1) * h3, w2.mT)
 
     @staticmethod
@@ -209,7 +213,7 @@ class _BmmSwiGLU(torch.autograd.Function):
             return (torch.bmm(gh1.mT, x_ECH) if needs[1] else None, torch.bmm(gh3.mT, x_ECH) if needs[2] else None,
                     torch.bmm(g_ECH.mT, silu * h3) if needs[3] else None)
 
-        return _input_then_weight_grads(gx, weight_grads, (w1, w3, w2))
+        return _input_then_weight_grads(gx, weight_grads, ctx.weights)
 
 
 def _padded_bmm_swiglu(x_RH, w1, w3, w2, tokens_per_expert_e) -> torch.Tensor:
@@ -263,6 +267,7 @@ class _LoopSwiGLU(torch.autograd.Function):
             start += n
         ctx.counts = counts
         ctx.save_for_backward(x_RH, w1, w3, w2, *h1s, *h3s)
+        ctx.weights = (w1, w3, w2)  # the inputs themselves: where deferred weight gradients go
         return out_RH
 
     @staticmethod
@@ -299,7 +304,7 @@ class _LoopSwiGLU(torch.autograd.Function):
                 torch.mm(gh3.t(), x, out=gw3[i])
             return gw1, gw3, gw2
 
-        return _input_then_weight_grads(gx, weight_grads, (w1, w3, w2)) + (None,)
+        return _input_then_weight_grads(gx, weight_grads, ctx.weights) + (None,)
 
 
 class GroupedExperts(nn.Module):
