@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=$(bash scripts/setup.sh)
 "$PY" -m ruff check .
-exec "$PY" -m pytest -q "$@"
+exec "$PY" -m pytest -q --durations=15 "$@"
