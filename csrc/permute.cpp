@@ -468,7 +468,7 @@ void with_stream(bool stream, Fn&& fn) {
 // Here a freed block goes back to an idle list and the next output of a size it fits takes it, touched
 // and fault-free, from the first reuse on (a `y = f(x)` loop: two new blocks, then none). Block sizes are
 // rounded up to kSizeClass, so outputs whose row count varies a little (dropped slots) share blocks.
-// Idle blocks are kept up to a byte limit (default 1 GiB, native.set_output_cache_limit); above it a freed
+// Idle blocks are kept up to a byte limit (default 256 MiB, native.set_output_cache_limit); above it a freed
 // block is unmapped. Thread-safe; the deleter may run on any thread. Blocks below kCacheMinBytes come
 // from torch's allocator (malloc's heap reuses small blocks without faults).
 // New blocks keep the system's default pages: advising MADV_HUGEPAGE made the first touches slower on
@@ -586,7 +586,7 @@ class OutputCache final : public c10::Allocator {
   std::mutex mu_;
   std::multimap<size_t, void*> idle_;           // capacity -> idle block
   std::unordered_map<void*, size_t> capacity_;  // every block mapped here, idle or in use
-  size_t idle_bytes_ = 0, mapped_bytes_ = 0, limit_ = size_t(1) << 30;
+  size_t idle_bytes_ = 0, mapped_bytes_ = 0, limit_ = size_t(256) << 20;  // 256 MiB: 4 outputs of T 8192 x H 2048 fp32
   int64_t hits_ = 0, misses_ = 0;
 };
 

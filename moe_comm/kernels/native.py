@@ -11,7 +11,7 @@ Semantics are those of ``reference.py`` and ``moe_comm.ops.layout.layout_referen
 unpermute are bit-identical to the reference (for finite rows), ``make_layout`` is exactly equal.
 
 Fresh outputs (no ``out=``, and the staging buffer of a non-contiguous ``out``) come from the extension's
-output cache: freed blocks of 1 MiB and more are kept (up to ``set_output_cache_limit``, default 1 GiB idle)
+output cache: freed blocks of 1 MiB and more are kept (up to ``set_output_cache_limit``, default 256 MiB idle)
 and reused by the next output they fit, so a plain call does not page-fault its output once the previous
 output of that size was freed (``output_cache_stats`` counts hits and misses).
 
@@ -142,7 +142,7 @@ def output_cache_stats() -> Dict[str, int]:
 
 
 def set_output_cache_limit(limit_bytes: int) -> int:
-    """Keep at most ``limit_bytes`` of freed output blocks for reuse (default 1 GiB); returns the old limit.
+    """Keep at most ``limit_bytes`` of freed output blocks for reuse (default 256 MiB); returns the old limit.
 
     Lowering it unmaps idle blocks at once (0 empties the cache); blocks in use are never affected.
     The cost of the cache is that resident memory stays up to this much above what tensors hold.
