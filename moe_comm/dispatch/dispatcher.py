@@ -501,7 +501,7 @@ class Dispatcher:
         lay = None if layout is None else ops.pad_layout(layout, P)
         handle = DispatchHandle(layout=lay, chunks=[plan], call=pending.call, hidden_size=H,
                                 transport=self.transport(kind), owner=id(self))
-        keep = topk_weight_TK is not None and torch.is_grad_enabled() and topk_weight_TK.requires_grad
+        keep = isinstance(topk_weight_TK, torch.Tensor) and torch.is_grad_enabled() and topk_weight_TK.requires_grad
         with self.timeline.compute("permute"):
             out = None if W == 1 else self.workspace.rows("send", W * P, H, x_TH if layout is not None else
                                                           torch.empty(0, H, dtype=dtype, device=self.channel.device))

@@ -101,8 +101,8 @@ def _rank_bad_input(rank, world_size, bad_rank, kind):
                 x, idx, w = _inputs(rank, step, T=M + 1)
             elif kind == "other_hidden":
                 x = torch.randn(x.shape[0], H + 1, dtype=x.dtype)
-            elif kind == "expert_fn_raises":
-                pass
+            elif kind == "weights_not_a_tensor":
+                w = w.tolist()
         fn = expert_scale
         if step == 1 and rank == bad_rank and kind == "expert_fn_raises":
             def fn(t, c, padded=False):
@@ -124,12 +124,12 @@ def _rank_bad_input(rank, world_size, bad_rank, kind):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("kind", ["too_many_tokens", "other_hidden", "expert_fn_raises"])
+@pytest.mark.parametrize("kind", ["too_many_tokens", "other_hidden", "expert_fn_raises", "weights_not_a_tensor"])
 def test_sync_free_bad_input_on_one_rank(ranks, kind):
     logs = ranks(2).run(_rank_bad_input, 1, kind)
     bad, good = logs[1], logs[0]
     want = {"too_many_tokens": "max_tokens_per_rank = 16", "other_hidden": "must stay as in the first call",
-            "expert_fn_raises": "expert kernel failed"}[kind]
+            "expert_fn_raises": "expert kernel failed", "weights_not_a_tensor": "topk_weight_TK"}[kind]
     # Deferred on every rank: both calls return (zeros on the failing rank), both raise at check().
     assert bad[:2] == ["ok", "ok"] and good[:2] == ["ok", "ok"], (bad, good)
     assert bad[2].startswith("check") and want in bad[2] and "EP rank(s) [1]" in bad[2], bad
