@@ -128,8 +128,8 @@ class _PipelinedExperts(torch.autograd.Function):
             error = RuntimeError("moe_comm pipeline: double backward (create_graph=True) is not supported: the "
                                  "experts' gradient is computed by a nested backward")
         # Every rank checks in before gradient rows move: a rank that skipped this backward, or rejects it,
-        # is named on every rank. Sync-free mode defers the read: a rank that rejects it still moves
-        # placeholder rows, then raises; the others raise at their next read.
+        # is named on every rank. The sync-free mode defers this read too: a rank that rejects the backward
+        # moves placeholder rows like its peers, and every rank raises at its next read.
         d._exchange_status(Phase.BACKWARD, run.handle, error, Failure.NONE if error is None else Failure.REJECTED)
         run.backward_done = True
         with d.workspace.dropped_on_error():
@@ -142,9 +142,9 @@ def _schedule(run: _Run, src_NH: torch.Tensor, out_NH: torch.Tensor, compute, ph
     """The one chunk schedule, forward and backward: rows of chunk c go to the experts' ranks (phases[0]),
     ``compute(c, rows_RH)`` runs there, its result goes back into ``out_NH`` (phases[1]); chunk c+1 travels
     while chunk c computes. ``before()`` runs while chunk 0 travels; ``after(c)`` once chunk c's result is on
-    its way back. A failure on this rank keeps the schedule
-    with placeholder rows and is raised on every rank by the end-of-phase exchange ``end``; ``failed``: this
-    rank failed before the schedule (placeholder rows from the start)."""
+    its way back. A failure on this rank keeps the schedule with placeholder rows and is raised on every rank
+    by the end-of-phase exchange ``end``; ``failed``: this rank failed before the schedule (placeholder rows
+    from the start)."""
     d, handle = run.dispatcher, run.handle
     transport, chunks = handle.transport, handle.chunks
     failure = _Failure()
