@@ -146,7 +146,7 @@ class Channel:
         for i, p in enumerate(todo):
             sent, rows = both[2 * i * W:(2 * i + 1) * W], both[(2 * i + 1) * W:(2 * i + 2) * W]
             try:
-                self._check(p, rows)
+                self._check(p, rows, deferred=i < len(earlier))
             except Exception:
                 if i < len(earlier) and pending is not None:
                     # A deferred failure raised at this later exchange: ranks may stand at different calls
@@ -187,7 +187,7 @@ class Channel:
         else:
             self.folded = (self.folded[0] | flag, self.folded[1], p.call)
 
-    def _check(self, pending: Pending, rows: List[List[int]]) -> None:
+    def _check(self, pending: Pending, rows: List[List[int]], deferred: bool = False) -> None:
         rank = self.rank
         bad = [r for r, row in enumerate(rows) if row[Word.MAGIC] != MAGIC]
         if bad:
@@ -206,7 +206,7 @@ class Channel:
                 "skipped a backward or a layer causes this). Every rank raised; the next call works.")
         failed = [r for r, row in enumerate(rows) if row[Word.FAILED] != Failure.NONE]
         if failed:
-            self._raise_failure(pending, rows, failed)
+            self._raise_failure(pending, rows, failed, deferred)
         for word, what, fmt in ((Word.WORLD, "EP world size", str), (Word.EXPERTS, "num_experts", str),
                                 (Word.CHUNKS, "num_chunks of this call", str),
                                 (Word.ROW_BYTES, "row bytes (H x element size)", str),
@@ -226,7 +226,7 @@ class Channel:
                                  f"({', '.join(str(rows[r][word]) for r in bad)}); "
                                  f"every rank raised, no rows were sent")
 
-    def _raise_failure(self, pending: Pending, rows: List[List[int]], failed: List[int]) -> None:
+    def _raise_failure(self, pending: Pending, rows: List[List[int]], failed: List[int], deferred: bool) -> None:
         lines = []
         for r in failed:
             chunk = rows[r][Word.CHUNK]
@@ -234,7 +234,9 @@ class Channel:
             msg = decode_message(rows[r][HEADER_WORDS:HEADER_WORDS + MESSAGE_WORDS])
             lines.append(f"EP rank {r} ({where}): {msg}")
         ctx = (f"[{describe_position(rows[self.rank])}: EP rank(s) {failed} failed: " + "; ".join(lines)
-               + "; every rank raised, no rank returns a value from this call]")
+               + ("; every rank raised at this later read: that call returned placeholder rows on every rank, "
+                  "discard what it produced]" if deferred else "; every rank raised, no rank returns a value from "
+                  "this call]"))
         err = pending.local_error
         if err is not None:
             if type(err) in (TypeError, ValueError, RuntimeError):
