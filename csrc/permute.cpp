@@ -880,9 +880,12 @@ std::vector<at::Tensor> make_layout(const at::Tensor& topk_idx_TK, int64_t num_e
   return {dest_row_TK, src_slot_S, counts_CE, num_invalid};
 }
 
+// quant.cpp: quantize_rows, dequantize_rows and their conversion test hooks.
+void register_quant(pybind11::module_& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "moe_comm C++ CPU kernels: permute_rows, unpermute_rows, unpermute_weight_grad, make_layout, "
-            "and the output cache the launchers allocate from";
+            "FP8 quantize_rows / dequantize_rows, and the output cache the launchers allocate from";
   // The GIL is released: the kernels touch no Python objects, and other Python threads may run meanwhile.
   m.def("permute_rows", &permute_rows, "out_NH[n] = x_TH[token_N[n]] (* scale_N[n])", py::arg("x_TH"),
         py::arg("token_N"), py::arg("scale_N"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
@@ -901,4 +904,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("output_cache_stats", &output_cache_stats, "(idle bytes, mapped bytes, limit, hits, misses)");
   m.def("kernel_config", &kernel_config, "set knobs given >= 0; returns (stream_min_bytes, use_avx2)",
         py::arg("stream_min_bytes"), py::arg("use_avx2"));
+  register_quant(m);
 }

@@ -54,6 +54,13 @@ class MoEConfig:
             W x M x K rows, no host sync in forward or backward after the first call; at most M tokens per
             rank per call; needs num_chunks=1. Call ``MoELayer.check()`` once a step to surface a failure of
             another rank (see ``Dispatcher``).
+        dedup: one copy per (token, destination rank): a token travels once to each rank holding any of its
+            experts, that rank sums its experts' weighted outputs and sends one row back (``Dispatcher(dedup=)``).
+            Not with ``max_tokens_per_rank``. Default False.
+        dispatch_dtype: None (default: rows travel in the layer's dtype) or torch.float8_e4m3fn: FP8 dispatch,
+            one scale per 128 elements (``Dispatcher(dispatch_dtype=)``); combine and the backward stay in the
+            layer's dtype.
+        dispatch_scales: "fp32" (default) or "ue8m0" (power-of-two scales) for FP8 dispatch.
     """
 
     hidden_size: int
@@ -74,6 +81,9 @@ class MoEConfig:
     shared_expert_gate: bool = False
     router_dtype: Optional[torch.dtype] = None
     max_tokens_per_rank: Optional[int] = None
+    dedup: bool = False
+    dispatch_dtype: Optional[torch.dtype] = None
+    dispatch_scales: Literal["fp32", "ue8m0"] = "fp32"
 
     def __post_init__(self) -> None:
         for name, low in (("hidden_size", 1), ("ffn_hidden_size", 1), ("num_experts", 1), ("top_k", 1),
@@ -121,6 +131,13 @@ class MoEConfig:
             if self.num_chunks != 1:
                 raise ValueError("MoEConfig.max_tokens_per_rank (the sync-free mode) needs num_chunks=1, got "
                                  f"num_chunks={self.num_chunks!r}")
+        check_bool("MoEConfig.dedup", self.dedup)
+        if self.dedup and self.max_tokens_per_rank is not None:
+            raise ValueError("MoEConfig.dedup=True is not available with max_tokens_per_rank (the sync-free mode)")
+        if self.dispatch_dtype is not None and self.dispatch_dtype != torch.float8_e4m3fn:
+            raise ValueError("MoEConfig.dispatch_dtype must be None or torch.float8_e4m3fn, got "
+                             f"{self.dispatch_dtype!r}")
+        check_choice("MoEConfig.dispatch_scales", self.dispatch_scales, ("fp32", "ue8m0"))
         if self.router_dtype is not None:
             if not isinstance(self.router_dtype, torch.dtype):
                 raise TypeError(f"MoEConfig.router_dtype must be None or a torch.dtype, got {self.router_dtype!r}")

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from einops import rearrange
 
 from moe_comm import ops
-from moe_comm._checks import check_choice, check_float, check_int, check_tensor
+from moe_comm._checks import check_bool, check_choice, check_float, check_int, check_tensor
 from moe_comm.comm.agree import agree
 from moe_comm.comm.channel import Channel, next_index
 from moe_comm.comm.collectives import group_device, group_rank, group_size, resolve_group
@@ -41,6 +41,7 @@ _graph_break = torch.compiler.disable
 MAX_CHUNKS = 16  # default bound on C per call: sizes the control exchange (S = max_chunks x e words per rank)
 DIRECT_MIN_BYTES_CPU = 1 << 20  # gloo, 4 ranks on 2 cores: point-to-point slower at 256 KiB, faster at 4 MiB
 NEVER = 1 << 62
+DISPATCH_DTYPES = (torch.float8_e4m3fn,)
 
 
 class Dispatcher:
@@ -88,6 +89,21 @@ class Dispatcher:
             K x H x element size bytes per direction on the wire and as buffers, whatever the routing;
             ``dispatch``/``combine`` are not available. None (default): dropless, exact sizes (one host
             read per forward).
+        dedup: one copy per (token, destination rank) in ``__call__`` (W > 1): a token whose top-k experts
+            share a rank travels there once, with the local expert ids and weights of its slots ([K] ids and
+            [K] weights, a second small all-to-all); that rank expands it to its experts and sends back one
+            row, the weighted sum of their outputs (summed in slot order: deterministic). The backward
+            mirrors it, and the weights' gradient comes back with the input gradient. Pays off when tokens
+            often pick several experts of one rank (K > 1, e > 1, group-limited routing); costs the expansion
+            pass and two small exchanges per chunk. Not with ``dispatch``/``combine`` (their weights are only
+            known at combine) nor the sync-free mode. Default False.
+        dispatch_dtype: None (default: rows travel in x's dtype) or torch.float8_e4m3fn: FP8 dispatch. Each
+            token row is quantized once with one scale per 128 elements (``moe_comm.ops.quantize_rows``:
+            ~1.03 bytes per element with fp32 scales), the packed rows travel, the experts' ranks dequantize
+            them to x's dtype before the experts. Combine and every backward transfer stay in x's dtype; the
+            gradient passes the quantization straight through. Also applies to ``dispatch()`` (it returns
+            dequantized rows in x's dtype) and the sync-free mode.
+        dispatch_scales: "fp32" (default) or "ue8m0" (power-of-two scales, one byte each) for FP8 dispatch.
 
     Construction is collective when W > 1: every rank must build its Dispatchers on a group in the same
     order with the same E, max_chunks, strict and direct_min_bytes (checked: every rank raises naming
@@ -99,7 +115,8 @@ class Dispatcher:
                  *, backend: str = "auto", strict: bool = False, timeout: Optional[float] = None,
                  direct_min_bytes: Optional[int] = None, max_chunks: Optional[int] = None,
                  end_check: Optional[str] = None, allow_single_process: bool = False,
-                 max_tokens_per_rank: Optional[int] = None):
+                 max_tokens_per_rank: Optional[int] = None, dedup: bool = False,
+                 dispatch_dtype: Optional[torch.dtype] = None, dispatch_scales: str = "fp32"):
         self.group = resolve_group(ep_group, name="Dispatcher: ep_group", allow_single_process=allow_single_process)
         self.world_size = group_size(self.group)
         self.rank = group_rank(self.group)
@@ -128,6 +145,13 @@ class Dispatcher:
                 if num_chunks != 1:
                     raise ValueError(f"Dispatcher: max_tokens_per_rank (the sync-free mode) needs num_chunks=1, got "
                                      f"num_chunks={num_chunks!r}")
+            check_bool("Dispatcher: dedup", dedup)
+            if dedup and max_tokens_per_rank is not None:
+                raise ValueError("Dispatcher: dedup=True is not available in the sync-free mode (max_tokens_per_rank)")
+            if dispatch_dtype is not None and dispatch_dtype not in DISPATCH_DTYPES:
+                raise ValueError(f"Dispatcher: dispatch_dtype must be None or one of {DISPATCH_DTYPES}, got "
+                                 f"{dispatch_dtype!r}")
+            check_choice("Dispatcher: dispatch_scales", dispatch_scales, ("fp32", "ue8m0"))
         except (TypeError, ValueError) as err:
             local_error = err
             max_chunks = max_chunks if isinstance(max_chunks, int) else MAX_CHUNKS
@@ -141,7 +165,8 @@ class Dispatcher:
         if max_tokens_per_rank is not None and not isinstance(max_tokens_per_rank, int):
             max_tokens_per_rank = -1  # rejected above; a comparable value for the agreement
         settings = dict(index=self.index, num_experts=num_experts, max_chunks=max_chunks, strict=bool(strict),
-                        direct_min_bytes=direct_min_bytes, end_check=end_check, max_tokens_per_rank=max_tokens_per_rank)
+                        direct_min_bytes=direct_min_bytes, end_check=end_check, max_tokens_per_rank=max_tokens_per_rank,
+                        dedup=dedup is True, dispatch_dtype=str(dispatch_dtype), dispatch_scales=str(dispatch_scales))
         agree(self.group, settings, what="Dispatcher", local_error=local_error)
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.world_size
@@ -149,7 +174,10 @@ class Dispatcher:
         self.backend, self.strict, self.timeout = backend, bool(strict), timeout
         self.direct_min_bytes, self.end_check = direct_min_bytes, end_check
         self.config_hash = zlib.crc32(repr(sorted(settings.items())).encode())
-        self.channel = Channel(self.group, self.index, max_chunks * self.num_local_experts, timeout)
+        self.dedup = dedup is True
+        self.dispatch_dtype, self.dispatch_scales = dispatch_dtype, dispatch_scales
+        # counts area: slots per (chunk, local expert), then with dedup the rows per chunk
+        self.channel = Channel(self.group, self.index, max_chunks * (self.num_local_experts + self.dedup), timeout)
         self._transports = {}
         # Disabled: records nothing until enabled. On CUDA its spans are CUDA events on the working streams
         # (NCCL's Work completes at enqueue, so host clocks would read ~0 for comm).
@@ -159,6 +187,9 @@ class Dispatcher:
         self.last_transport = ""  # name of the Transport the last call used ("all_to_all", "point_to_point", ...)
         self.max_tokens_per_rank = max_tokens_per_rank
         self._agreed = None  # sync-free mode: (H, dtype, K) every rank agreed on in its first call
+        # bytes this rank sent in its last call, per direction: "dispatch_logical", "dispatch_wire",
+        # "combine_logical", "combine_wire" (see _record_bytes); empty before the first call
+        self.last_bytes = {}
 
     # ---------------------------------------------------------------- properties
     @property
@@ -204,10 +235,11 @@ class Dispatcher:
                              f"got shape {tuple(topk_idx_TK.shape)}")
         check_int("num_chunks", C, 1, high=self.max_chunks)
 
-    def _open(self, phase: Phase, x_TH, topk_idx_TK, C, local_error=None, extra_check=None):
+    def _open(self, phase: Phase, x_TH, topk_idx_TK, C, local_error=None, extra_check=None, rank_rows=False):
         """Check the inputs, build the layout and issue the call's control exchange (header, counts).
         A rank whose input is rejected still joins the exchange with zero counts and its error, so every
-        rank raises instead of the others hanging. Returns (pending, layout or None)."""
+        rank raises instead of the others hanging. Returns (pending, layout or None); with ``rank_rows``
+        (one copy per rank) the layout is a ``RankRows``."""
         self.channel.call += 1
         call = self.channel.call
         layout, failed = None, Failure.NONE
@@ -219,8 +251,9 @@ class Dispatcher:
                 if self.world_size == 1 and self.timeline.device != x_TH.device:
                     self.timeline.device = x_TH.device  # no group to say where the work runs: the rows do
                 with self.timeline.compute("layout"):
-                    layout = ops.make_layout(topk_idx_TK, self.num_experts, num_ranks=self.world_size,
-                                             num_chunks=C, backend=self.backend)
+                    make = ops.make_rank_rows if rank_rows else ops.make_layout
+                    layout = make(topk_idx_TK, self.num_experts, num_ranks=self.world_size, num_chunks=C,
+                                  backend=self.backend)
             except (TypeError, ValueError) as err:
                 local_error = err
         if local_error is not None:
@@ -233,8 +266,13 @@ class Dispatcher:
             nonfinite = (~torch.isfinite(x_TH)).any(1).sum()
         else:
             nonfinite = torch.zeros_like(layout.num_invalid)
-        dynamic = torch.stack([layout.num_invalid, nonfinite, layout.counts_CWe.sum()])
-        slots_WS = rearrange(layout.counts_CWe, "c w e -> w (c e)")
+        if rank_rows:  # the experts' slots, then the rows per chunk
+            rows_CW = layout.layout.counts_CWe[:, :, 0]
+            slots_WS = torch.cat([rearrange(layout.slot_counts_CWe, "c w e -> w (c e)"), rows_CW.t()], 1)
+            dynamic = torch.stack([layout.num_invalid, nonfinite, rows_CW.sum()])
+        else:
+            slots_WS = rearrange(layout.counts_CWe, "c w e -> w (c e)")
+            dynamic = torch.stack([layout.num_invalid, nonfinite, layout.counts_CWe.sum()])
         top_k = topk_idx_TK.shape[1] if self.sync_free else -1  # sync-free rows are sized by K: agreed
         pending = self.channel.begin(phase, self._header(phase, call, C, row_bytes, dtype_code(x_TH.dtype), top_k),
                                      dynamic=dynamic, slots_WS=slots_WS)
@@ -250,15 +288,68 @@ class Dispatcher:
         def counts(row):
             return [row[base + c * e:base + (c + 1) * e] for c in range(C)]
 
-        send_WCe, recv_WCe = [counts(r) for r in sent], [counts(r) for r in rows]
-        layout.set_num_rows(sum(sum(sum(x) for x in per_c) for per_c in send_WCe))
-        kind = choose(W, e, C, [r[Word.ROWS] for r in rows], rows[0][Word.ROW_BYTES], self.direct_min_bytes)
-        self.last_transport = kind.name
+        rank_rows = layout if isinstance(layout, ops.RankRows) else None
         recv_counts_WCe = pending.recv_WX[:, base:base + C * e].reshape(W, C, e)
-        chunks = build_chunk_plans(send_WCe, recv_WCe, recv_counts_WCe, regroup=kind.regroups and e > 1,
-                                   call=pending.call)
+        if rank_rows is not None:  # one copy per rank: rows per (rank, chunk) after the slots; one all-to-all
+            def rows_of(row):
+                return [[row[base + C * e + c]] for c in range(C)]
+
+            layout = rank_rows.layout
+            send_WCe, recv_WCe = [rows_of(r) for r in sent], [rows_of(r) for r in rows]
+            kind = AllToAll
+            chunks = build_chunk_plans(send_WCe, recv_WCe, recv_counts_WCe, regroup=False, call=pending.call,
+                                       recv_slots_WCe=[counts(r) for r in rows])
+        else:
+            send_WCe, recv_WCe = [counts(r) for r in sent], [counts(r) for r in rows]
+            row_bytes = rows[0][Word.ROW_BYTES] if self.dispatch_dtype is None else self._wire_width(hidden)
+            kind = choose(W, e, C, [r[Word.ROWS] for r in rows], row_bytes, self.direct_min_bytes)
+            chunks = build_chunk_plans(send_WCe, recv_WCe, recv_counts_WCe, regroup=kind.regroups and e > 1,
+                                       call=pending.call)
+        layout.set_num_rows(sum(sum(sum(x) for x in per_c) for per_c in send_WCe))
+        self.last_transport = kind.name
+        slots = sum(sum(sum(x) for x in counts(r)) for r in sent)
         return DispatchHandle(layout=layout, chunks=chunks, call=pending.call, hidden_size=hidden,
-                              transport=self.transport(kind), owner=id(self))
+                              transport=self.transport(kind), owner=id(self), rank_rows=rank_rows, slots_sent=slots)
+
+    def _record_bytes(self, handle: DispatchHandle, x_TH: torch.Tensor, meta_NM: Optional[torch.Tensor]) -> None:
+        """``last_bytes`` of this call (host ints, no sync): logical = routed slots x H x element size, as
+        the field counts a dispatch; wire = what this rank hands the all-to-alls (rows, FP8 scales, the
+        metadata of one copy per rank; rows to itself included)."""
+        H, es, N = x_TH.shape[1], x_TH.element_size(), handle.layout.num_rows
+        row_wire = H * es if self.dispatch_dtype is None else self._wire_width(H)
+        meta = 0 if meta_NM is None else N * meta_NM.shape[1] * meta_NM.element_size()
+        logical = handle.slots_sent * H * es if handle.slots_sent >= 0 else -1  # sync-free: not read on the host
+        self.last_bytes = dict(dispatch_logical=logical, dispatch_wire=N * row_wire + meta,
+                               combine_logical=logical, combine_wire=N * H * es)
+
+    def _wire_width(self, hidden: int) -> int:
+        """Bytes of one FP8 packed row (payload and scales)."""
+        return ops.packed_width(hidden, ue8m0=self.dispatch_scales == "ue8m0")
+
+    def _send_rows(self, x_TH: torch.Tensor, layout):
+        """The permuted rows a call sends: (the pipeline's differentiable input, FP8 packed rows or None).
+        Plain: (x_NH, None); FP8: (x_TH, q_NB) - each token quantized once, its packed row copied per row."""
+        W, N, H = self.world_size, layout.num_rows, x_TH.shape[1]
+        if self.dispatch_dtype is None:
+            out = None if W == 1 else self.workspace.rows("send", N, H, x_TH)
+            return ops.permute(x_TH, layout, backend=self.backend, out=out), None
+        q_TB = ops.quantize_rows(x_TH.detach(), ue8m0=self.dispatch_scales == "ue8m0", backend=self.backend)
+        q_NB = self.workspace.rows("send", N, q_TB.shape[1], q_TB)
+        if layout.num_tokens == 0:  # only a padded layout has rows without tokens: all padding
+            return x_TH, q_NB.zero_()
+        select_backend(self.backend, x_TH.device).permute_rows(q_TB, layout.token_N, out=q_NB)
+        if layout.valid_N is not None:  # padding rows: zero bytes decode to 0
+            q_NB.masked_fill_(~layout.valid_N[:, None], 0)
+        return x_TH, q_NB
+
+    @staticmethod
+    def _slot_meta(rank_rows, topk_weight_TK: torch.Tensor) -> torch.Tensor:
+        """[N, 2K] what travels with each row of one copy per rank: its slots' local expert ids (-1: not on
+        that rank; exact as floats) and weights (0 there), in float32 (float64 weights stay float64)."""
+        N = rank_rows.layout.num_rows
+        dtype = torch.float64 if topk_weight_TK.dtype == torch.float64 else torch.float32
+        w_NK = rank_rows.slot_weights(topk_weight_TK.to(dtype)).narrow(0, 0, N)
+        return torch.cat([rank_rows.local_idx_SK.narrow(0, 0, N).to(dtype), w_NK], 1)
 
     def _exchange_status(self, phase: Phase, handle: DispatchHandle, error: Optional[BaseException] = None,
                          failed: Failure = Failure.NONE, chunk: int = -1, row_bytes: int = -1, dtype: int = -1,
@@ -303,21 +394,24 @@ class Dispatcher:
         self._no_sync_free("dispatch()")
         pending, layout = self._open(Phase.DISPATCH, x_TH, topk_idx_TK, 1)
         send_SH = None
-        if layout is not None and self.world_size > 1:
+        if layout is not None and (self.world_size > 1 or self.dispatch_dtype is not None):
             # Permute while the control exchange travels. On CPU, N is read now (no device to wait for); on
             # an accelerator that would be a second host sync, so every slot (dropped ones last) is copied
             # into a [T*K, H] workspace and the first N rows are sent. Made without autograd: the gradient
-            # reaches x_TH through _DispatchRows.
+            # reaches x_TH through _DispatchRows. FP8: the packed rows of the quantized tokens.
             with self.timeline.compute("permute"):
                 rows = layout.num_rows if x_TH.device.type == "cpu" else layout.num_tokens * layout.top_k
+                src_TB = x_TH.detach().contiguous()
+                if self.dispatch_dtype is not None:
+                    src_TB = ops.quantize_rows(src_TB, ue8m0=self.dispatch_scales == "ue8m0", backend=self.backend)
                 send_SH = select_backend(self.backend, x_TH.device).permute_rows(
-                    x_TH.detach().contiguous(), layout.token_S[:rows],
-                    out=self.workspace.rows("send", rows, x_TH.shape[1], x_TH))
+                    src_TB, layout.token_S[:rows], out=self.workspace.rows("send", rows, src_TB.shape[1], src_TB))
         if layout is None:
             self.channel.end(pending)  # raises on every rank
         handle = self._close(pending, layout, 1, x_TH.shape[1])
+        self._record_bytes(handle, x_TH, None)
         plan = handle.chunks[0]
-        if self.world_size == 1:  # the permuted rows are the result
+        if send_SH is None:  # one process: the permuted rows are the result
             tokens_RH = ops.permute(x_TH, handle.layout, backend=self.backend)
         else:
             tokens_RH = _DispatchRows.apply(x_TH, send_SH.narrow(0, 0, plan.num_rows), self, handle)
@@ -412,21 +506,26 @@ class Dispatcher:
         t_start = now(x_TH.device) if trial else 0.0
         pending, layout = self._open(Phase.FORWARD, x_TH, topk_idx_TK, C,
                                      extra_check=lambda: check_call_args(x_TH, topk_idx_TK, topk_weight_TK, expert_fn,
-                                                                         side_fn))
+                                                                         side_fn),
+                                     rank_rows=self.dedup and self.world_size > 1)
         if layout is None:
             self.channel.end(pending)  # raises on every rank
         handle = self._close(pending, layout, C, x_TH.shape[1])
         with self.timeline.compute("permute"):
-            out = None if self.world_size == 1 else self.workspace.rows("send", layout.num_rows, x_TH.shape[1], x_TH)
-            x_NH = ops.permute(x_TH, handle.layout, backend=self.backend, out=out)
-        keep = torch.is_grad_enabled() and topk_weight_TK.requires_grad
-        y_NH, side_out, expert_s = run_pipeline(self, handle, x_NH, expert_fn, side_fn, measure=measure,
-                                                keep_output=keep)
+            x_in, wire_NB = self._send_rows(x_TH, handle.layout)
+            meta_NM = None if handle.rank_rows is None else self._slot_meta(handle.rank_rows, topk_weight_TK)
+        # y_NH is saved for backward when the weights need grad at this rank's unpermute (not with one copy per
+        # rank: the experts' ranks apply the weights)
+        self._record_bytes(handle, x_TH, meta_NM)
+        keep = torch.is_grad_enabled() and topk_weight_TK.requires_grad and meta_NM is None
+        y_NH, side_out, expert_s = run_pipeline(self, handle, x_in, expert_fn, side_fn, measure=measure,
+                                                keep_output=keep, meta_NM=meta_NM, wire_NB=wire_NB)
         if measure:
             nbytes = handle.layout.num_rows * x_TH.shape[1] * x_TH.element_size()
             self.auto.make_plan(expert_s, nbytes, chunk_overhead(expert_fn, x_TH, self.num_local_experts))
         with self.timeline.compute("unpermute"):
-            y_TH = ops.unpermute(y_NH, handle.layout, topk_weight_TK, backend=self.backend)
+            y_TH = ops.unpermute(y_NH, handle.layout, None if meta_NM is not None else topk_weight_TK,
+                                 backend=self.backend)
         if trial:
             self.auto.record_trial(now(x_TH.device) - t_start)
         return y_TH if side_fn is None else (y_TH, side_out)
@@ -500,17 +599,22 @@ class Dispatcher:
         self.last_transport = kind.name
         lay = None if layout is None else ops.pad_layout(layout, P)
         handle = DispatchHandle(layout=lay, chunks=[plan], call=pending.call, hidden_size=H,
-                                transport=self.transport(kind), owner=id(self))
+                                transport=self.transport(kind), owner=id(self), slots_sent=-1)
         keep = isinstance(topk_weight_TK, torch.Tensor) and torch.is_grad_enabled() and topk_weight_TK.requires_grad
         with self.timeline.compute("permute"):
-            out = None if W == 1 else self.workspace.rows("send", W * P, H, x_TH if layout is not None else
-                                                          torch.empty(0, H, dtype=dtype, device=self.channel.device))
-            if layout is None:  # rejected on this rank: zero rows of the agreed size keep every peer's exchange
-                x_NH = out.zero_()
-            else:
-                x_NH = ops.permute(x_TH, lay, backend=self.backend, out=out)
-        y_NH, side_out, _ = run_pipeline(self, handle, x_NH, expert_fn, side_fn, keep_output=keep,
-                                         failed=pending.local_error)
+            if layout is not None:
+                x_in, wire_NB = self._send_rows(x_TH, lay)
+            else:  # rejected on this rank: zero rows of the agreed size keep every peer's exchange
+                x_in = torch.empty(0, H, dtype=dtype, device=self.channel.device)
+                width = H if self.dispatch_dtype is None else self._wire_width(H)
+                like = x_in if self.dispatch_dtype is None else x_in.new_empty(0, dtype=torch.uint8)
+                wire_NB = self.workspace.rows("send", W * P, width, like).zero_()
+                if self.dispatch_dtype is None:
+                    x_in, wire_NB = wire_NB, None
+        if lay is not None:
+            self._record_bytes(handle, x_TH, None)
+        y_NH, side_out, _ = run_pipeline(self, handle, x_in, expert_fn, side_fn, keep_output=keep,
+                                         failed=pending.local_error, wire_NB=wire_NB)
         if layout is None:  # rejected here: a zero attached to the call's graph; every rank raises at check()
             anchor = y_NH.narrow(0, 0, 0).sum()
             if expert_fn is None:  # from fail(): the caller shapes its own placeholder
@@ -549,7 +653,12 @@ class _DispatchRows(torch.autograd.Function):
         ctx.d, ctx.handle = d, handle
         plan = handle.chunks[0]
         with d.workspace.dropped_on_error():
-            return handle.transport.to_experts(x_NH, plan, phase="dispatch", direction="fwd").wait()
+            rows_RH = handle.transport.to_experts(x_NH, plan, phase="dispatch", direction="fwd").wait()
+        if d.dispatch_dtype is None:
+            return rows_RH
+        with d.timeline.compute("dequantize"):  # FP8 rows: the gradient passes straight through
+            return ops.dequantize_rows(rows_RH, x_TH.shape[1], x_TH.dtype, ue8m0=d.dispatch_scales == "ue8m0",
+                                       backend=d.backend)
 
     @staticmethod
     def backward(ctx, grad_RH):

@@ -39,10 +39,11 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from moe_comm import _wgrad
+from moe_comm import _wgrad, ops
 from moe_comm.comm.channel import as_collective_error
 from moe_comm.comm.wire import Failure, Phase
 from moe_comm.dispatch.autotune import call_expert_fn, now
+from moe_comm.kernels import select_backend
 
 __all__ = ["run_pipeline"]
 
@@ -64,6 +65,9 @@ class _Run:
     backward_done: bool = False
     failed: Optional[BaseException] = None  # this rank's input was rejected, or its forward failed with reads
     # deferred: its phases move placeholder rows, and the error is raised at the next read
+    meta: bool = False  # one copy per (token, rank): a [N, 2K] (local expert ids, weights) payload travels along
+    meta_dtype: Optional[torch.dtype] = None  # its dtype (the weights' gradient comes back in it)
+    wire: Optional[torch.Tensor] = None  # FP8 dispatch: the packed rows [N, B] sent instead of x (x is then x_TH)
 
 
 class _Failure:
@@ -110,10 +114,14 @@ def _wait(inflight, failure: _Failure, chunk: int, rows: int, like: torch.Tensor
 
 class _PipelinedExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_NH: torch.Tensor, anchor: Optional[torch.Tensor], run: _Run) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, meta_NM: Optional[torch.Tensor], anchor: Optional[torch.Tensor],
+                run: _Run) -> torch.Tensor:
+        # x: the permuted rows x_NH, or x_TH when run.wire (FP8) is what travels
+        src = (x.contiguous() if run.wire is None else run.wire,) + (() if meta_NM is None else (meta_NM,))
         with run.dispatcher.workspace.dropped_on_error():
-            y_NH = _forward(run, x_NH.contiguous())
+            y_NH = _forward(run, src, x)
         ctx.run = run
+        ctx.meta_shape = None if meta_NM is None else (meta_NM.shape, meta_NM.dtype)
         return y_NH
 
     @staticmethod
@@ -133,17 +141,27 @@ class _PipelinedExperts(torch.autograd.Function):
         d._exchange_status(Phase.BACKWARD, run.handle, error, Failure.NONE if error is None else Failure.REJECTED)
         run.backward_done = True
         with d.workspace.dropped_on_error():
-            return _backward(run, grad_y_NH.contiguous(), failed=error or run.failed), None, None
+            grad_x, grad_w_NK = _backward(run, grad_y_NH.contiguous(), failed=error or run.failed)
+        if run.wire is not None and run.handle.layout is None:  # FP8 on a rank whose input was rejected
+            grad_x = None
+        elif run.wire is not None:  # FP8: straight through the quantization, back to the tokens (permute's backward)
+            grad_x = select_backend(d.backend, grad_x.device).unpermute_rows(grad_x, run.handle.layout.dest_row_TK)
+        grad_meta = None
+        if ctx.meta_shape is not None and ctx.needs_input_grad[1]:
+            shape, dtype = ctx.meta_shape
+            grad_meta = torch.cat([grad_w_NK.new_zeros(shape[0], shape[1] - grad_w_NK.shape[1]), grad_w_NK], 1)
+        return grad_x, grad_meta, None, None
 
 
-def _schedule(run: _Run, src_NH: torch.Tensor, out_NH: torch.Tensor, compute, phases: Tuple[str, str],
-              direction: str, end: Phase, before=None, failed: Optional[BaseException] = None,
-              after=None) -> torch.Tensor:
-    """The one chunk schedule, forward and backward: rows of chunk c go to the experts' ranks (phases[0]),
-    ``compute(c, rows_RH)`` runs there, its result goes back into ``out_NH`` (phases[1]); chunk c+1 travels
-    while chunk c computes. ``before()`` runs while chunk 0 travels; ``after(c)`` once chunk c's result is on
-    its way back. A failure on this rank keeps the schedule with placeholder rows and is raised on every rank
-    by the end-of-phase exchange ``end``; ``failed``: this rank failed before the schedule (placeholder rows
+def _schedule(run: _Run, src: Tuple[torch.Tensor, ...], out: Tuple[torch.Tensor, ...], compute,
+              phases: Tuple[str, str], direction: str, end: Phase, before=None,
+              failed: Optional[BaseException] = None, after=None) -> Tuple[torch.Tensor, ...]:
+    """The one chunk schedule, forward and backward: the rows of chunk c of every tensor in ``src`` (sent
+    order, [N, *]) go to the experts' ranks (phases[0]), ``compute(c, received)`` runs there and returns one
+    tensor per ``out`` tensor, which go back into ``out`` (phases[1]); chunk c+1 travels while chunk c
+    computes. ``before()`` runs while chunk 0 travels; ``after(c)`` once chunk c's result is on its way
+    back. A failure on this rank keeps the schedule with placeholder rows and is raised on every rank by
+    the end-of-phase exchange ``end``; ``failed``: this rank failed before the schedule (placeholder rows
     from the start)."""
     d, handle = run.dispatcher, run.handle
     transport, chunks = handle.transport, handle.chunks
@@ -153,8 +171,8 @@ def _schedule(run: _Run, src_NH: torch.Tensor, out_NH: torch.Tensor, compute, ph
 
     def issue(c: int) -> None:
         p = chunks[c]
-        to_experts[c] = transport.to_experts(src_NH.narrow(0, p.row_offset, p.num_rows), p, phase=phases[0],
-                                             direction=direction)
+        to_experts[c] = [transport.to_experts(t.narrow(0, p.row_offset, p.num_rows), p, phase=phases[0],
+                                              direction=direction) for t in src]
 
     issue(0)
     if before is not None:
@@ -162,93 +180,123 @@ def _schedule(run: _Run, src_NH: torch.Tensor, out_NH: torch.Tensor, compute, ph
     for c, p in enumerate(chunks):
         if c + 1 < len(chunks):
             issue(c + 1)
-        rows_RH = _wait(to_experts[c], failure, c, p.num_recv, src_NH)
+        received = tuple(_wait(f, failure, c, p.num_recv, t) for f, t in zip(to_experts[c], src))
         to_experts[c] = None
-        back_RH = failure.catch(c, compute, c, rows_RH)
-        if back_RH is None:  # this rank failed: placeholder rows of the agreed size keep the schedule
-            back_RH = rows_RH
-        back.append(transport.to_tokens(back_RH, p, out_NH.narrow(0, p.row_offset, p.num_rows), phase=phases[1],
-                                        direction=direction))
+        results = failure.catch(c, compute, c, received)
+        if results is None:  # this rank failed: placeholder rows of the agreed sizes keep the schedule
+            results = tuple(o.new_empty(p.num_recv, o.shape[1]) for o in out)
+        back.append([transport.to_tokens(r, p, o.narrow(0, p.row_offset, p.num_rows), phase=phases[1],
+                                         direction=direction) for r, o in zip(results, out)])
         if after is not None:
             failure.catch(c, after, c)
-    for c, b in enumerate(back):
-        _wait(b, failure, c, chunks[c].num_rows, src_NH)
+    for c, flights in enumerate(back):
+        for f, o in zip(flights, out):
+            _wait(f, failure, c, chunks[c].num_rows, o)
     failure.close(d, end, handle)
     if failure.error is not None:  # deferred: the backward of this call moves placeholder rows too
         run.failed = failure.error
-    return out_NH
+    return out
 
 
-def _forward(run: _Run, x_NH: torch.Tensor) -> torch.Tensor:
+def _forward(run: _Run, src: Tuple[torch.Tensor, ...], x: torch.Tensor) -> torch.Tensor:
+    """src: the rows that travel (x_NH or FP8 packed rows, then the [N, 2K] metadata with one copy per rank)."""
     d, chunks, tl = run.dispatcher, run.handle.chunks, run.dispatcher.timeline
-    y_NH = torch.empty_like(x_NH) if run.keep_output or d.world_size == 1 else \
-        d.workspace.rows("combined", x_NH.shape[0], x_NH.shape[1], x_NH)
+    N, H, dtype = src[0].shape[0], x.shape[1], x.dtype
+    K = run.handle.layout.top_k if run.meta else 0
+    y_NH = x.new_empty(N, H) if run.keep_output or d.world_size == 1 else d.workspace.rows("combined", N, H, x)
 
-    def experts(c: int, tokens_RH: torch.Tensor) -> torch.Tensor:
+    def experts(c: int, received: Tuple[torch.Tensor, ...]) -> Tuple[torch.Tensor]:
         p = chunks[c]
+        tokens_RH = received[0]
+        if run.wire is not None:
+            with tl.compute("dequantize", chunk=c):
+                tokens_RH = ops.dequantize_rows(tokens_RH, H, dtype, ue8m0=d.dispatch_scales == "ue8m0",
+                                                backend=d.backend)
         with tl.compute("experts", chunk=c):
-            t0 = now(x_NH.device) if run.measure else 0.0
+            t0 = now(x.device) if run.measure else 0.0
+            w_in = None
             with torch.set_grad_enabled(run.grad_enabled):
                 t_in = tokens_RH.detach().requires_grad_(run.grad_enabled)
-                out_RH = call_expert_fn(run.expert_fn, t_in, p.tokens_per_expert_e, p.counts_e)
+                if run.meta:  # one row per (token, rank): expand to its local experts, sum their weighted outputs
+                    meta_RM = received[1]
+                    w_in = meta_RM[:, K:].detach().requires_grad_(run.grad_enabled)
+                    lay = ops.make_layout(meta_RM[:, :K].to(torch.int64), d.num_local_experts, backend=d.backend)
+                    lay.set_num_rows(sum(p.counts_e))  # host counts from the control exchange: no sync
+                    out_RH = call_expert_fn(run.expert_fn, ops.permute(t_in, lay, backend=d.backend),
+                                            p.tokens_per_expert_e, p.counts_e)
+                    out_RH = ops.unpermute(out_RH.to(dtype), lay, w_in, backend=d.backend)
+                else:
+                    out_RH = call_expert_fn(run.expert_fn, t_in, p.tokens_per_expert_e, p.counts_e)
             if run.measure:
-                run.expert_s += now(x_NH.device) - t0
+                run.expert_s += now(x.device) - t0
             if run.grad_enabled:
-                run.expert_io[c] = (t_in, out_RH)
-            return out_RH.detach().to(x_NH.dtype)  # rows travel in x's dtype (autocast may change out_RH's)
+                run.expert_io[c] = (t_in, w_in, out_RH)
+            return (out_RH.detach().to(dtype),)  # rows travel in x's dtype (autocast may change out_RH's)
 
     def side() -> None:  # e.g. shared experts, while the first dispatch is in flight
         with torch.set_grad_enabled(run.grad_enabled), tl.compute("shared"):
             run.side_out = run.side_fn()
 
     run.expert_io = [None] * len(chunks)
-    return _schedule(run, x_NH, y_NH, experts, ("dispatch", "combine"), "fwd", Phase.FORWARD_END,
-                     before=side if run.side_fn is not None else None, failed=run.failed)
+    return _schedule(run, src, (y_NH,), experts, ("dispatch", "combine"), "fwd", Phase.FORWARD_END,
+                     before=side if run.side_fn is not None else None, failed=run.failed)[0]
 
 
-def _backward(run: _Run, grad_y_NH: torch.Tensor, failed: Optional[BaseException] = None) -> torch.Tensor:
+def _backward(run: _Run, grad_y_NH: torch.Tensor, failed: Optional[BaseException] = None):
+    """(grad of the sent rows [N, H], grad of the slot weights [N, K] or None with one copy per rank)."""
     # The gradient of combine goes the dispatch way (to the experts' ranks), the input gradient comes back.
     tl = run.dispatcher.timeline
-
+    K = run.handle.layout.top_k if run.meta else 0
     weight_grads = {}
 
-    def experts_backward(c: int, g_RH: torch.Tensor) -> torch.Tensor:
+    def experts_backward(c: int, received: Tuple[torch.Tensor, ...]) -> Tuple[torch.Tensor, ...]:
         # The input gradient first: it travels back while this chunk's weight gradients compute (_wgrad).
+        g_RH = received[0]
         with tl.compute("experts", chunk=c, direction="bwd"):
-            t_in, out_RH = run.expert_io[c]
+            t_in, w_in, out_RH = run.expert_io[c]
             run.expert_io[c] = None  # free the chunk's activations once its backward ran
             with _wgrad.deferring() as weight_grads[c]:
                 if out_RH.requires_grad:
                     torch.autograd.backward([out_RH], [g_RH.to(out_RH.dtype)])
             g_in = t_in.grad if t_in.grad is not None else torch.zeros_like(t_in)
-            return g_in.to(grad_y_NH.dtype)
+            if w_in is None:
+                return (g_in.to(grad_y_NH.dtype),)
+            return g_in.to(grad_y_NH.dtype), (w_in.grad if w_in.grad is not None else torch.zeros_like(w_in))
 
     def experts_weight_grads(c: int) -> None:
         if c in weight_grads:
             with tl.compute("experts_wgrad", chunk=c, direction="bwd"):
                 weight_grads.pop(c).run()
 
-    grad_x_NH = torch.empty_like(grad_y_NH)
-    out = _schedule(run, grad_y_NH, grad_x_NH, experts_backward, ("combine", "dispatch"), "bwd", Phase.BACKWARD_END,
+    N = grad_y_NH.shape[0]
+    out = (torch.empty_like(grad_y_NH),)
+    if run.meta:
+        out += (grad_y_NH.new_empty(N, K, dtype=run.meta_dtype),)
+    out = _schedule(run, (grad_y_NH,), out, experts_backward, ("combine", "dispatch"), "bwd", Phase.BACKWARD_END,
                     failed=failed, after=experts_weight_grads)
     run.expert_io = []
-    return out
+    return out[0], (out[1] if run.meta else None)
 
 
-def run_pipeline(dispatcher, handle, x_NH: torch.Tensor, expert_fn: Callable,
+def run_pipeline(dispatcher, handle, x: torch.Tensor, expert_fn: Callable,
                  side_fn: Optional[Callable[[], torch.Tensor]] = None, measure: bool = False,
-                 keep_output: bool = True, failed: Optional[BaseException] = None
+                 keep_output: bool = True, failed: Optional[BaseException] = None,
+                 meta_NM: Optional[torch.Tensor] = None, wire_NB: Optional[torch.Tensor] = None
                  ) -> Tuple[torch.Tensor, Optional[torch.Tensor], float]:
-    """Pipelined dispatch -> expert_fn -> combine of the permuted rows ``x_NH`` [N, H]. ``failed``: this
+    """Pipelined dispatch -> expert_fn -> combine of the permuted rows ``x`` = x_NH [N, H]. ``failed``: this
     rank's input was rejected; it moves placeholder rows through the whole schedule, then raises ``failed``.
+    ``meta_NM``: [N, 2K] local expert ids (as floats) and slot weights of each row (one copy per rank: the
+    experts' ranks expand each row and return the weighted sum). ``wire_NB``: FP8 packed rows sent instead
+    of the rows; ``x`` is then x_TH and its gradient comes back through ``handle.layout``.
 
-    Returns (y_NH [N, H] combined rows in x_NH's order, side_fn's result or None, expert seconds
+    Returns (y_NH [N, H] combined rows in sent order, side_fn's result or None, expert seconds
     when ``measure`` else 0).
     """
     run = _Run(dispatcher=dispatcher, handle=handle, expert_fn=expert_fn, side_fn=side_fn,
-               grad_enabled=torch.is_grad_enabled(), measure=measure, keep_output=keep_output, failed=failed)
+               grad_enabled=torch.is_grad_enabled(), measure=measure, keep_output=keep_output, failed=failed,
+               meta=meta_NM is not None, meta_dtype=None if meta_NM is None else meta_NM.dtype, wire=wire_NB)
     # The anchor makes the output require grad whenever grad mode is on, so backward runs (and the
     # experts get their gradients) even when x itself needs none, e.g. the first layer's input.
-    anchor = torch.empty(0, device=x_NH.device, requires_grad=True) if run.grad_enabled else None
-    y_NH = _PipelinedExperts.apply(x_NH, anchor, run)
+    anchor = torch.empty(0, device=x.device, requires_grad=True) if run.grad_enabled else None
+    y_NH = _PipelinedExperts.apply(x, meta_NM, anchor, run)
     return y_NH, run.side_out, run.expert_s

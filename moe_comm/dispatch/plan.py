@@ -10,7 +10,7 @@ from typing import List, Optional
 import torch
 from einops import rearrange
 
-from moe_comm.ops.layout import Layout
+from moe_comm.ops.layout import Layout, RankRows
 
 __all__ = ["ChunkPlan", "DispatchHandle", "DispatchOutput", "build_chunk_plans", "expert_major_index",
            "padded_expert_major_index"]
@@ -66,6 +66,8 @@ class DispatchHandle:
     transport: object  # the Transport every phase of this call uses (the same on every rank)
     owner: int = 0  # id() of the Dispatcher that made it
     combined: bool = False  # combine() ran for this handle (a second combine raises)
+    rank_rows: Optional[RankRows] = None  # one copy per (token, rank): layout is rank_rows.layout
+    slots_sent: int = 0  # routed slots this rank sent (= layout.num_rows unless one copy per rank)
 
     @property
     def direct(self) -> bool:
@@ -134,11 +136,15 @@ def padded_expert_major_index(counts_We: torch.Tensor, rows_per_rank: int):
 
 
 def build_chunk_plans(send_WCe: List[List[List[int]]], recv_WCe: List[List[List[int]]],
-                      recv_counts_WCe: torch.Tensor, regroup: bool, call: int = 0) -> List[ChunkPlan]:
-    """Chunk plans from the host counts (sent and received, per rank, chunk, local expert) and the same
-    received counts on the device (for tokens_per_expert and the regroup index without another sync).
-    regroup: build the expert-major permutation (the all-to-all transport with W > 1 and e > 1)."""
+                      recv_counts_WCe: torch.Tensor, regroup: bool, call: int = 0,
+                      recv_slots_WCe: Optional[List[List[List[int]]]] = None) -> List[ChunkPlan]:
+    """Chunk plans from the host counts (sent and received, per rank, chunk, local expert) and the received
+    slots per (rank, chunk, local expert) on the device (for tokens_per_expert and the regroup index without
+    another sync). regroup: build the expert-major permutation (the all-to-all transport with W > 1 and
+    e > 1). recv_slots_WCe: the same slots on the host when rows are not one per slot (one copy per rank:
+    send/recv_WCe then hold rows per (rank, chunk), one column)."""
     W, C, e = recv_counts_WCe.shape
+    slots_WCe = recv_WCe if recv_slots_WCe is None else recv_slots_WCe
     chunks, offset = [], 0
     for c in range(C):
         send_We = [send_WCe[w][c] for w in range(W)]
@@ -146,7 +152,7 @@ def build_chunk_plans(send_WCe: List[List[List[int]]], recv_WCe: List[List[List[
         counts_We = recv_counts_WCe[:, c, :]
         plan = ChunkPlan(chunk=c, call=call, send_We=send_We, recv_We=recv_We, row_offset=offset,
                          tokens_per_expert_e=counts_We.sum(0),
-                         counts_e=[sum(recv_We[w][j] for w in range(W)) for j in range(e)])
+                         counts_e=[sum(slots_WCe[w][c][j] for w in range(W)) for j in range(e)])
         if regroup:
             plan.expert_index_R, plan.source_index_R = expert_major_index(counts_We, plan.num_recv)
         chunks.append(plan)

@@ -1,14 +1,16 @@
-"""Loader and launchers of the C++ CPU kernels in ``csrc/permute.cpp``.
+"""Loader and launchers of the C++ CPU kernels in ``csrc/permute.cpp`` and ``csrc/quant.cpp``.
 
 Shapes legend: T tokens, K top-k slots, S = T*K slots, N permuted rows, H hidden size, E experts (global),
-C chunks.
+C chunks, R rows received, B bytes of a packed FP8 row.
 
 Layers: ``csrc/permute.cpp`` holds the kernels; the launchers here validate arguments with
 ``moe_comm._checks`` (``TypeError`` / ``ValueError`` naming the argument, got vs expected), make inputs
 contiguous, cast weights and scales to the accumulation dtype and allocate outputs; the autograd layer is
 ``moe_comm.ops``.
 Semantics are those of ``reference.py`` and ``moe_comm.ops.layout.layout_reference``: permute and
-unpermute are bit-identical to the reference (for finite rows), ``make_layout`` is exactly equal.
+unpermute are bit-identical to the reference (for finite rows), ``make_layout`` is exactly equal,
+``quantize_rows`` / ``dequantize_rows`` (FP8) are bit-identical to the reference (packed bytes, and the
+dequantized rows except NaN payload bits in bfloat16 / float16 outputs).
 
 Fresh outputs (no ``out=``, and the staging buffer of a non-contiguous ``out``) come from the extension's
 output cache: freed blocks of 1 MiB and more are kept (up to ``set_output_cache_limit``, default 256 MiB idle)
@@ -33,13 +35,13 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from moe_comm._checks import check_int, check_out, check_tensor
-from moe_comm.kernels.reference import acc_dtype
+from moe_comm.kernels.reference import acc_dtype, check_dequantize_args, check_quantize_args
 
 __all__ = ["available", "permute_rows", "unpermute_rows", "unpermute_weight_grad", "make_layout",
-           "output_cache_stats", "set_output_cache_limit"]
+           "quantize_rows", "dequantize_rows", "output_cache_stats", "set_output_cache_limit"]
 
 _CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
-_SOURCES = ("permute.cpp",)
+_SOURCES = ("permute.cpp", "quant.cpp")
 # -ffp-contract=off: no FMA, so y*w is rounded before the add exactly as torch does (bitwise unpermute).
 # -fopenmp: at::parallel_for is OpenMP in torch's CPU build; without it the kernels run on one thread.
 _CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp")
@@ -115,11 +117,12 @@ def _index(name: str, t, dim: int) -> torch.Tensor:
     return check_tensor(name, t, device=_CPU, dim=dim, integer=True).to(torch.int64).contiguous()
 
 
-def _write(out: Optional[torch.Tensor], shape: Tuple[int, int], like_t: torch.Tensor, like: str,
+def _write(out: Optional[torch.Tensor], shape: Tuple[int, int], like_t: torch.Tensor, like: Optional[str],
            fill) -> torch.Tensor:
-    """``fill(dst)`` into ``out`` (checked: ``shape`` and the dtype of ``like_t``, the argument named ``like``)
-    or a new tensor from the output cache; a non-contiguous ``out`` gets a contiguous staging buffer (also
-    from the cache) copied in after (the kernels write dense rows)."""
+    """``fill(dst)`` into ``out`` (checked: ``shape`` and the dtype of ``like_t``, the argument named ``like``,
+    None when the dtype is not another argument's) or a new tensor from the output cache; a non-contiguous
+    ``out`` gets a contiguous staging buffer (also from the cache) copied in after (the kernels write dense
+    rows)."""
     ext = _ext()
     if out is None:
         out = ext.empty_cached(shape, like_t)
@@ -256,3 +259,58 @@ def make_layout(topk_idx_TK: torch.Tensor, num_experts: int, num_chunks: int = 1
     check_int("num_chunks", num_chunks, 1)
     dest_row_TK, src_slot_S, counts_CE, num_invalid = _ext().make_layout(topk_idx_TK, num_experts, num_chunks)
     return dest_row_TK, src_slot_S, counts_CE, num_invalid
+
+
+def quantize_rows(x_TH: torch.Tensor, ue8m0: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Quantize each row to float8_e4m3fn in blocks of 128, packed with its block scales (``reference.py``).
+
+    Args:
+        x_TH: [T, H] float32 / float64 / bfloat16 / float16 CPU tensor (made contiguous).
+        ue8m0: scales as power-of-two exponents (1 byte) instead of float32 (4 bytes).
+        out: optional [T, packed_width(H, ue8m0)] uint8 buffer (any strides).
+    Returns: q_TB [T, B] uint8, bit-identical to ``reference.quantize_rows``.
+    Example (H = 2, float32 scales, B = 8):
+        x_TH = [[896.0, -1.0]] -> amax 896, s = 2, q = e4m3([448, -0.5]) = [0x7E, 0xB0]
+        -> [[0x7E, 0xB0, 0, 0, 0x00, 0x00, 0x00, 0x40]]   (bytes 4..7: float32 2.0, little endian)
+    """
+    check_tensor("x_TH", x_TH, device=_CPU)
+    T, B = check_quantize_args(x_TH, ue8m0, out)
+    x_TH = x_TH.contiguous()
+    like = torch.empty(0, dtype=torch.uint8)
+    return _write(out, (T, B), like, None, lambda dst: _ext().quantize_rows(x_TH, ue8m0, dst))
+
+
+def dequantize_rows(q_RB: torch.Tensor, hidden: int, dtype: torch.dtype, ue8m0: bool = False,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Rows of ``dtype`` back from packed FP8 rows: ``y = float32(q) * s`` per block, cast to ``dtype``.
+
+    Args:
+        q_RB: [R, packed_width(hidden, ue8m0)] uint8 CPU tensor of packed rows (made contiguous).
+        hidden: H, elements per row. dtype: float32 / float64 / bfloat16 / float16 output dtype.
+        ue8m0: how the scales were stored. out: optional [R, hidden] buffer of ``dtype`` (any strides).
+    Returns: y_RH [R, hidden], equal to ``reference.dequantize_rows`` bit for bit (NaN payloads of
+        bfloat16 / float16 outputs aside: torch's own conversions disagree on those).
+    Example (H = 2, float32 scales):
+        q_RB = [[0x7E, 0xB0, 0, 0, 0x00, 0x00, 0x00, 0x40]] -> [[896.0, -1.0]]
+    """
+    check_tensor("q_RB", q_RB, device=_CPU)
+    R = check_dequantize_args(q_RB, hidden, dtype, ue8m0, out)
+    q_RB = q_RB.contiguous()
+    like = torch.empty(0, dtype=dtype)
+    return _write(out, (R, hidden), like, None, lambda dst: _ext().dequantize_rows(q_RB, hidden, ue8m0, dst))
+
+
+def _quant_config(use_avx2: Optional[bool] = None) -> bool:
+    """Test hook: whether the FP8 row loops run their AVX2 copy (set it when given; ValueError where the
+    CPU lacks AVX2); returns the setting."""
+    return bool(_ext().quant_config(-1 if use_avx2 is None else int(use_avx2)))
+
+
+def _e4m3_from_f32(f: torch.Tensor) -> torch.Tensor:
+    """Test hook: the kernels' float32 -> float8_e4m3fn conversion alone, as uint8 bits."""
+    return _ext().e4m3_from_f32(f)
+
+
+def _e4m3_to_f32(q: torch.Tensor) -> torch.Tensor:
+    """Test hook: the kernels' float8_e4m3fn (uint8 bits) -> float32 conversion alone."""
+    return _ext().e4m3_to_f32(q)

@@ -1,12 +1,16 @@
-"""Triton row-permutation kernels: permute (gather), unpermute (weighted scatter-reduce), weight grad.
+"""Triton row kernels: permute (gather), unpermute (weighted scatter-reduce), weight grad, FP8 row quantization.
 
-Shapes legend: T tokens, K top-k slots, N permuted rows, H hidden size.
+Shapes legend: T tokens, K top-k slots, N permuted rows, H hidden size, R rows received, B bytes of a
+packed FP8 row, n = ceil(H / 128) FP8 blocks of a row.
 Semantics are those of ``reference.py`` (the oracle): permute is bit-exact; unpermute sums the slots in
-k = 0..K-1 order in float32 (float64 for float64 rows) and casts once at the end.
+k = 0..K-1 order in float32 (float64 for float64 rows) and casts once at the end; ``quantize_rows`` /
+``dequantize_rows`` are bit-exact (the float32 divisions use ``tl.math.div_rn``, IEEE round to nearest, as
+a plain ``/`` may be approximate on a GPU; the float8 conversions are integer bit manipulation, not
+``tl.float8e4nv`` casts).
 
 Layers (shared/STYLE.md): ``_*_kernel`` are pure ``@triton.jit`` kernels; ``permute_rows``,
-``unpermute_rows`` and ``unpermute_weight_grad`` are launchers (validate with ``moe_comm._checks``,
-allocate, build the grid); the autograd layer lives in ``moe_comm.ops``.
+``unpermute_rows``, ``unpermute_weight_grad``, ``quantize_rows`` and ``dequantize_rows`` are launchers
+(validate with ``moe_comm._checks``, allocate, build the grid); the autograd layer lives in ``moe_comm.ops``.
 
 Kernels run on CUDA tensors, and on CPU tensors only when TRITON_INTERPRET=1 was set before triton was
 imported (this module decorates its kernels at import time, so the flag must be set before importing it).
@@ -20,7 +24,8 @@ from typing import Optional
 import torch
 
 from moe_comm._checks import check_out, check_same_device, check_tensor
-from moe_comm.kernels.reference import acc_dtype
+from moe_comm.kernels.reference import (FP8_BLOCK, acc_dtype, check_dequantize_args, check_quantize_args,
+                                        packed_layout)
 
 try:  # optional dependency: the module must import without triton (available() -> False)
     import triton
@@ -29,7 +34,8 @@ except Exception:  # ImportError, or a broken install that fails while importing
     triton = None
     tl = None
 
-__all__ = ["available", "permute_rows", "unpermute_rows", "unpermute_weight_grad"]
+__all__ = ["available", "permute_rows", "unpermute_rows", "unpermute_weight_grad", "quantize_rows",
+           "dequantize_rows"]
 
 # Payload dtypes the kernels move. Integer payloads (e.g. fp8 viewed as uint8) are permuted as raw bits;
 # scaling and the reductions need floating rows.
@@ -143,6 +149,166 @@ if triton is not None:
             y = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0).to(ACC)
             acc += g * y
         tl.store(out_ptr + t * K + k, tl.sum(acc, axis=0))
+
+
+    # -----------------------------------------------------------------------------------------------
+    # FP8 (float8_e4m3fn) rows; layout and math in reference.py. One program: BLOCKS blocks of one row.
+    # -----------------------------------------------------------------------------------------------
+    @triton.jit
+    def _e4m3_from_f32(y):
+        """float32 -> float8_e4m3fn bits (uint8), torch's conversion in integer ops (as csrc/quant.cpp).
+
+        NaN -> 0x7F with its sign; |y| >= 448 after rounding (inf too) -> 0x7E (torch saturates);
+        below 2^-6: |y| / 2^-9 rounded to nearest even; else the exponent rebiased (127 -> 7) and the
+        mantissa rounded to 3 bits, nearest even.
+        Example: 1.0625 (half-way between 1 and 1.125) -> 0x38 = 1.0; 2^-10 -> 0x00; -3e-3 -> 0x82.
+        """
+        bits = y.to(tl.uint32, bitcast=True)
+        sign = bits & 0x80000000
+        a = bits ^ sign
+        e = a >> 23
+        normal = (a + 0xC4000000 + 0x7FFFF + ((a >> 20) & 1)) >> 20  # 0xC4000000 = (7 - 127) << 23 mod 2^32
+        normal = tl.where(normal == 0x7F, 0x7E, normal)  # rounded past 448
+        # below 2^-6: value m * 2^(max(e, 1) - 150) is m >> sh in units of 2^-9 (sh >= 21; capped at 31
+        # so no lane shifts by 32 or more, whatever the unselected branch holds)
+        m = (a & 0x7FFFFF) | tl.where(e > 0, 0x800000, 0).to(tl.uint32)
+        sh = tl.minimum(tl.where(e > 0, 141 - e, 140).to(tl.uint32), 31)
+        one = tl.full(y.shape, 1, tl.uint32)
+        half = one << (sh - 1)
+        rem = m & ((one << sh) - 1)
+        sub = m >> sh
+        sub = sub + ((rem > half) | ((rem == half) & ((sub & 1) == 1))).to(tl.uint32)
+        r = tl.where(a < 0x3C800000, sub, normal)  # 0x3C800000 = 2^-6
+        r = tl.where(a >= 0x43F00000, 0x7E, r)  # >= 480 (inf included)
+        r = tl.where(a > 0x7F800000, 0x7F, r)  # NaN
+        return (r | (sign >> 24)).to(tl.uint8)
+
+    @triton.jit
+    def _e4m3_to_f32(q):
+        """float8_e4m3fn bits (uint8) -> float32, the bits torch gives (NaN 0x7F -> 0x7FF00000, sign kept).
+
+        Example: 0x38 -> 1.0; 0x01 -> 2^-9; 0x80 -> -0.0; 0xFF -> NaN with the sign bit set.
+        """
+        v = q.to(tl.uint32)
+        sign = (v & 0x80) << 24
+        e = (v >> 3) & 0xF
+        m = v & 7
+        normal = ((e + 120) << 23) | (m << 20)
+        sub = (m.to(tl.float32) * 0.001953125).to(tl.uint32, bitcast=True)  # m * 2^-9, exact
+        bits = tl.where(e == 0, sub, normal)
+        bits = tl.where((v & 0x7F) == 0x7F, 0x7FF00000, bits)
+        return (bits | sign).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _canonical_nan_like(x):
+        """A tensor like ``x`` (shape and dtype) of the dtype's canonical quiet NaN, what torch writes for
+        float("nan"): 0x7FC0 (bfloat16), 0x7E00 (float16), 0x7FC00000 (float32), 0x7FF8... (float64)."""
+        if x.dtype == tl.bfloat16:
+            return tl.full(x.shape, 0x7FC0, tl.uint16).to(tl.bfloat16, bitcast=True)
+        elif x.dtype == tl.float16:
+            return tl.full(x.shape, 0x7E00, tl.uint16).to(tl.float16, bitcast=True)
+        elif x.dtype == tl.float64:
+            return tl.full(x.shape, 0x7FF8000000000000, tl.uint64).to(tl.float64, bitcast=True)
+        else:
+            return tl.full(x.shape, 0x7FC00000, tl.uint32).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _quantize_rows_kernel(x_ptr, out_ptr, H, S0, NB, END, B, num_blocks, stride_x, stride_out,
+                              UE8M0: tl.constexpr, BLOCKS: tl.constexpr, GROUP: tl.constexpr):
+        """One program packs BLOCKS consecutive blocks of the flat list of all (row, block) pairs,
+        g = t * NB + j (a program may span rows): payload bytes and block scales; the lane of block
+        j = 0 of a row also zeroes its padding bytes [H, S0) and [END, B), END = S0 + NB * scale bytes.
+
+        Example (H = 2, float32 scales, B = 8, one block, grid (1,)):
+            x = [[896.0, -1.0]] -> amax 896, s = 896 / 448 = 2, payload e4m3([448, -0.5]) = [0x7E, 0xB0]
+            -> out = [[0x7E, 0xB0, 0, 0, 0x00, 0x00, 0x00, 0x40]]  (bytes 4..7: float32 2.0)
+        """
+        g = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)  # int64: T*B may exceed 2^31
+        valid = g < num_blocks
+        t = g // NB
+        j = g - t * NB
+        cols = j[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        mask = (cols < H) & valid[:, None]
+        row = out_ptr + t * stride_out  # [BLOCKS] row pointers
+        x = tl.load(x_ptr + (t * stride_x)[:, None] + cols, mask=mask, other=0.0)
+        if x.dtype == tl.bfloat16:  # exact widening by the bits: the interpreter mangles bf16 subnormals
+            x = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            x = x.to(tl.float32)  # float64: round to nearest even
+        # max of |x| bits: orders like the values, and any NaN (bits above inf) wins, unlike a float max
+        amax_bits = tl.max(x.to(tl.uint32, bitcast=True) & 0x7FFFFFFF, axis=1)
+        amax_bits = tl.where(amax_bits > 0x7F800000, 0x7FC00000, amax_bits)  # canonical NaN
+        r = tl.math.div_rn(amax_bits.to(tl.float32, bitcast=True), tl.full([BLOCKS], 448.0, tl.float32))
+        rb = r.to(tl.uint32, bitcast=True)
+        if UE8M0:
+            e = (rb >> 23) & 0xFF
+            b = tl.minimum(tl.maximum(e + ((rb & 0x7FFFFF) != 0).to(tl.uint32), 1), 254)  # ceil to 2^k
+            b = tl.where(rb == 0, 127, b)
+            b = tl.where(e == 255, 255, b)  # r inf or NaN
+            s_bits = (b << 23) | tl.where(b == 255, 0x400000, 0).to(tl.uint32)
+            tl.store(row + S0 + j, b.to(tl.uint8), mask=valid)
+        else:
+            s_bits = tl.where(rb == 0, 0x3F800000, rb)  # r == 0 -> s = 1.0
+            s_bits = tl.where(amax_bits == 0x7FC00000, 0x7FC00000, s_bits)
+            k = tl.arange(0, 4)
+            s_bytes = ((s_bits[:, None] >> (k[None, :] * 8)) & 0xFF).to(tl.uint8)  # little endian
+            tl.store(row[:, None] + S0 + j[:, None] * 4 + k[None, :], s_bytes, mask=valid[:, None] & (k[None, :] < 4))
+        s = tl.broadcast_to(s_bits.to(tl.float32, bitcast=True)[:, None], [BLOCKS, GROUP])
+        y = tl.math.div_rn(x, s)
+        y = tl.where(y > 448.0, 448.0, tl.where(y < -448.0, -448.0, y))  # comparisons keep NaN
+        tl.store(row[:, None] + cols, _e4m3_from_f32(y), mask=mask)
+        p = tl.arange(0, 4)[None, :]
+        first = valid[:, None] & (j[:, None] == 0)
+        zero = tl.zeros([BLOCKS, 4], dtype=tl.uint8)
+        tl.store(row[:, None] + H + p, zero, mask=first & (H + p < S0))
+        tl.store(row[:, None] + END + p, zero, mask=first & (END + p < B))
+
+    @triton.jit
+    def _dequantize_rows_kernel(q_ptr, out_ptr, H, S0, NB, num_blocks, stride_q, stride_out,
+                                UE8M0: tl.constexpr, BLOCKS: tl.constexpr, GROUP: tl.constexpr):
+        """One program decodes BLOCKS consecutive (row, block) pairs g = r * NB + j: out = float32(q) * s, cast.
+
+        Example (H = 2, float32 scales, one block, grid (1,)):
+            q = [[0x7E, 0xB0, 0, 0, 0x00, 0x00, 0x00, 0x40]] -> s = 2.0, [448, -0.5] * 2
+            -> out = [[896.0, -1.0]]
+        """
+        g = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+        valid = g < num_blocks
+        r = g // NB
+        j = g - r * NB
+        cols = j[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        mask = (cols < H) & valid[:, None]
+        row = q_ptr + r * stride_q
+        q = tl.load(row[:, None] + cols, mask=mask, other=0)
+        if UE8M0:
+            b = tl.load(row + S0 + j, mask=valid, other=127).to(tl.uint32)
+            s_bits = (b << 23) | tl.where(b == 255, 0x400000, 0).to(tl.uint32)
+        else:
+            k = tl.arange(0, 4)
+            s_bytes = tl.load(row[:, None] + S0 + j[:, None] * 4 + k[None, :], mask=valid[:, None] & (k[None, :] < 4),
+                              other=0).to(tl.uint32)
+            s_bits = tl.sum(s_bytes << (k[None, :] * 8), axis=1)  # disjoint bytes: the sum is the OR
+        y = _e4m3_to_f32(q) * s_bits.to(tl.float32, bitcast=True)[:, None]  # one IEEE multiply
+        if out_ptr.dtype.element_ty == tl.float64:
+            out = y.to(tl.float64)
+        else:
+            out = _cast_rtne(y, out_ptr.dtype.element_ty)
+        out = tl.where(y != y, _canonical_nan_like(out), out)  # one NaN pattern, as the reference
+        tl.store(out_ptr + (r * stride_out)[:, None] + cols, out, mask=mask)
+
+    @triton.jit
+    def _e4m3_convert_kernel(src_ptr, dst_ptr, n, TO_F32: tl.constexpr, BLOCK: tl.constexpr):
+        """Test hook: one of the element conversions alone over a flat array (float32 <-> e4m3 bits).
+
+        Example (TO_F32 False): src = [1.0625, -3e-3] -> dst = [0x38, 0x82]
+        """
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        v = tl.load(src_ptr + offs, mask=mask)
+        if TO_F32:
+            tl.store(dst_ptr + offs, _e4m3_to_f32(v), mask=mask)
+        else:
+            tl.store(dst_ptr + offs, _e4m3_from_f32(v), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -297,6 +463,47 @@ def unpermute_weight_grad(grad_TH: torch.Tensor, y_NH: torch.Tensor, row_TK: tor
     return out
 
 
+def quantize_rows(x_TH: torch.Tensor, ue8m0: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Quantize each row to float8_e4m3fn in blocks of 128, packed with its block scales (``reference.py``).
+
+    Args:
+        x_TH: [T, H] float16/bfloat16/float32/float64, any row stride.
+        ue8m0: scales as power-of-two exponents (1 byte) instead of float32 (4 bytes).
+        out: optional [T, packed_width(H, ue8m0)] uint8 buffer (any strides).
+    Returns: q_TB [T, B] uint8, bit-identical to ``reference.quantize_rows`` on the same device.
+    Example (H = 2, float32 scales, B = 8):
+        x_TH = [[896.0, -1.0]] -> amax 896, s = 2, q = e4m3([448, -0.5]) = [0x7E, 0xB0]
+        -> [[0x7E, 0xB0, 0, 0, 0x00, 0x00, 0x00, 0x40]]   (bytes 4..7: float32 2.0, little endian)
+    """
+    _require_triton()
+    T, B = check_quantize_args(x_TH, ue8m0, out)
+    _check_runs_here("x_TH", x_TH)
+    def launch(dst):
+        if T > 0 and B > 0:
+            _launch_quantize(_rows_last_dense(x_TH), ue8m0, dst)
+    return _staged(out, (T, B), torch.empty(0, dtype=torch.uint8, device=x_TH.device), launch)
+
+
+def dequantize_rows(q_RB: torch.Tensor, hidden: int, dtype: torch.dtype, ue8m0: bool = False,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Rows of ``dtype`` back from packed FP8 rows: ``y = float32(q) * s`` per block, cast to ``dtype``.
+
+    Args:
+        q_RB: [R, packed_width(hidden, ue8m0)] uint8 packed rows, any row stride.
+        hidden: H, elements per row. dtype: float16/bfloat16/float32/float64 output dtype.
+        ue8m0: how the scales were stored. out: optional [R, hidden] buffer of ``dtype`` (any strides).
+    Returns: y_RH [R, hidden], bit-identical to ``reference.dequantize_rows`` (NaN: the dtype's canonical NaN).
+    Example (H = 2, float32 scales):
+        q_RB = [[0x7E, 0xB0, 0, 0, 0x00, 0x00, 0x00, 0x40]] -> [[896.0, -1.0]]
+    """
+    _require_triton()
+    R = check_dequantize_args(q_RB, hidden, dtype, ue8m0, out)
+    _check_runs_here("q_RB", q_RB)
+    def launch(dst):
+        if R > 0 and hidden > 0:
+            _launch_dequantize(_rows_last_dense(q_RB), hidden, ue8m0, dst)
+    return _staged(out, (R, hidden), torch.empty(0, dtype=dtype, device=q_RB.device), launch)
+
 # Grid builders. They take validated inputs (dense columns, contiguous index/weight vectors, N, T, H > 0);
 # ``block_bytes`` is exposed so benchmarks/gpu_check.py can sweep the column block.
 def _on_device(t: torch.Tensor):
@@ -335,3 +542,54 @@ def _launch_weight_grad(grad_TH, y_NH, row_TK, out_TK, block_bytes: int = _BLOCK
         _unpermute_weight_grad_kernel[grid](
             grad_TH, y_NH, row_TK, out_TK, H, K, grad_TH.stride(0), y_NH.stride(0),
             ACC=_tl_acc(y_NH.dtype), BLOCK_H=block_h, num_warps=num_warps)
+
+
+def _fp8_config(blocks: Optional[int]):
+    """(BLOCKS, num_warps): (row, block) pairs per program, a power of two, and warps.
+    8 blocks (1024 elements) on a GPU, not tuned yet; 64 under the interpreter, where each program costs
+    ~25 ms of Python whatever its size. ``blocks`` forces BLOCKS (tests split rows over programs with it)."""
+    if blocks is None:
+        blocks = 64 if _interpreting() else 8
+    return blocks, max(1, min(4, blocks))
+
+
+def _launch_quantize(x_TH, ue8m0: bool, out_TB, blocks: Optional[int] = None) -> None:
+    T, H = x_TH.shape
+    s0, n, sb, B = packed_layout(H, ue8m0)
+    blocks, num_warps = _fp8_config(blocks)
+    grid = (triton.cdiv(T * n, blocks),)
+    with _on_device(x_TH), _quiet_interpreter():
+        _quantize_rows_kernel[grid](
+            x_TH, out_TB, H, s0, n, s0 + n * sb, B, T * n, x_TH.stride(0), out_TB.stride(0),
+            UE8M0=ue8m0, BLOCKS=blocks, GROUP=FP8_BLOCK, num_warps=num_warps)
+
+
+def _launch_dequantize(q_RB, hidden: int, ue8m0: bool, out_RH, blocks: Optional[int] = None) -> None:
+    R = q_RB.shape[0]
+    s0, n, _, _ = packed_layout(hidden, ue8m0)
+    blocks, num_warps = _fp8_config(blocks)
+    grid = (triton.cdiv(R * n, blocks),)
+    with _on_device(q_RB), _quiet_interpreter():
+        _dequantize_rows_kernel[grid](
+            q_RB, out_RH, hidden, s0, n, R * n, q_RB.stride(0), out_RH.stride(0),
+            UE8M0=ue8m0, BLOCKS=blocks, GROUP=FP8_BLOCK, num_warps=num_warps)
+
+
+def _quiet_interpreter():
+    """Under the interpreter, numpy's warnings for inf / inf, 0 * inf and casts of out-of-range values off:
+    those are the defined NaN / inf cases here (a compiled kernel never warns)."""
+    if not _interpreting():
+        return contextlib.nullcontext()
+    import numpy as np  # the interpreter's own dependency
+    return np.errstate(invalid="ignore", over="ignore", divide="ignore")
+
+
+def _e4m3_convert(src: torch.Tensor, to_f32: bool, block: int = 1 << 16) -> torch.Tensor:
+    """Test hook: the kernels' float32 -> e4m3 bits (uint8) conversion, or back with ``to_f32``."""
+    src = src.contiguous()
+    dst = torch.empty(src.shape, dtype=torch.float32 if to_f32 else torch.uint8, device=src.device)
+    if src.numel():
+        with _on_device(src), _quiet_interpreter():
+            _e4m3_convert_kernel[(triton.cdiv(src.numel(), block),)](src, dst, src.numel(), TO_F32=to_f32,
+                                                                     BLOCK=block)
+    return dst

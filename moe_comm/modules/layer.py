@@ -203,7 +203,8 @@ class MoELayer(nn.Module):
         self.dispatcher = Dispatcher(cfg.num_experts, self.ep_group, cfg.num_chunks, backend=backend,
                                      strict=strict, timeout=timeout, end_check=end_check,
                                      allow_single_process=allow_single_process,
-                                     max_tokens_per_rank=cfg.max_tokens_per_rank)
+                                     max_tokens_per_rank=cfg.max_tokens_per_rank, dedup=cfg.dedup,
+                                     dispatch_dtype=cfg.dispatch_dtype, dispatch_scales=cfg.dispatch_scales)
         if not self.experts.w1.is_meta:  # meta: reset_parameters() after to_empty() makes them equal
             self._broadcast_replicated()
         self.register_forward_pre_hook(_check_data_parallel_hook)
@@ -436,7 +437,8 @@ class MoELayer(nn.Module):
         self.dispatcher = Dispatcher(len(new_p2l), self.ep_group, old.num_chunks, backend=old.backend,
                                      strict=old.strict, timeout=old.timeout, end_check=old.end_check,
                                      direct_min_bytes=old.direct_min_bytes, allow_single_process=True,
-                                     max_tokens_per_rank=old.max_tokens_per_rank)
+                                     max_tokens_per_rank=old.max_tokens_per_rank, dedup=old.dedup,
+                                     dispatch_dtype=old.dispatch_dtype, dispatch_scales=old.dispatch_scales)
         self.dispatcher.timeline = old.timeline
         self._replica_slots_EC, self._replica_count_E, self._max_replicas = replica_tables(new_p2l, E, params[0].device)
         self._placement, self._phys_to_logical = placement, new_p2l

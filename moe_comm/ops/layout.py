@@ -21,7 +21,7 @@ from einops import rearrange, reduce, repeat
 
 from moe_comm._checks import check_int, check_tensor
 
-__all__ = ["Layout", "make_layout", "layout_reference", "chunk_of_tokens", "pad_layout"]
+__all__ = ["Layout", "make_layout", "layout_reference", "chunk_of_tokens", "pad_layout", "RankRows", "make_rank_rows"]
 
 
 @dataclass
@@ -193,3 +193,67 @@ def pad_layout(layout: Layout, rows_per_rank: int) -> Layout:
     return Layout(num_tokens=layout.num_tokens, top_k=layout.top_k, num_experts=layout.num_experts, num_ranks=W,
                   num_chunks=1, dest_row_TK=dest_row_TK, src_slot_S=slot_N, token_S=token_N,
                   counts_CWe=layout.counts_CWe, num_invalid=layout.num_invalid, _num_rows=W * P, valid_N=valid_N)
+
+
+@dataclass
+class RankRows:
+    """One row per (token, destination rank): the sent side of a dispatch with one copy per rank.
+
+    Attributes:
+        layout: a Layout whose "experts" are the W ranks (num_experts = num_ranks = W, counts_CWe [C, W, 1]):
+            the first slot of each (token, rank) pair holds its row, the token's other slots on that rank -1.
+            ``permute`` / ``unpermute`` (no weights) with it send and sum the rows.
+        local_idx_SK: [T*K, K] int64, for sent row n (the first N' rows are routed): the local expert
+            (0..e-1) of each of its token's K slots that go to the row's rank, -1 for the others.
+        slot_counts_CWe: [C, W, e] int64 routed slots per (chunk, rank, local expert): what the experts get.
+        num_invalid: [] int64 ids outside [-1, E) (treated as dropped, as in ``make_layout``).
+    """
+
+    layout: Layout
+    local_idx_SK: torch.Tensor
+    slot_counts_CWe: torch.Tensor
+    num_invalid: torch.Tensor
+
+    def slot_weights(self, topk_weight_TK: torch.Tensor) -> torch.Tensor:
+        """[T*K, K] weights of each row's slots (0 where local_idx_SK is -1); differentiable w.r.t. the weights."""
+        w_SK = topk_weight_TK.index_select(0, self.layout.token_S)
+        return torch.where(self.local_idx_SK >= 0, w_SK, torch.zeros_like(w_SK))
+
+
+def make_rank_rows(topk_idx_TK: torch.Tensor, num_experts: int, *, num_ranks: int, num_chunks: int = 1,
+                   backend: str = "auto") -> RankRows:
+    """The rows of a dispatch that sends each token once to each rank holding any of its experts; no host sync.
+
+    Rows are ordered (chunk, destination rank, token). The receiver expands a row to its local experts
+    (``local_idx_SK``) and sends back one row: the weighted sum of its experts' outputs.
+    Example: E = 4, W = 2 (e = 2), topk_idx_TK = [[0, 1], [3, 0]]
+        token 0: experts 0, 1 both on rank 0 -> one row; token 1: ranks 1 and 0 -> two rows
+        rows (rank 0: token 0, token 1 | rank 1: token 1), local_idx = [[0, 1], [-1, 0] | [1, -1]]
+    """
+    check_tensor("topk_idx_TK", topk_idx_TK, dim=2, integer=True)
+    idx_TK = topk_idx_TK.to(torch.int64)
+    check_int("num_experts", num_experts, 1)
+    check_int("num_ranks", num_ranks, 1)
+    check_int("num_chunks", num_chunks, 1)
+    if num_experts % num_ranks:
+        raise ValueError(f"num_experts ({num_experts}) must be divisible by num_ranks, got num_ranks={num_ranks}")
+    T, K = idx_TK.shape
+    E, W, C, e = num_experts, num_ranks, num_chunks, num_experts // num_ranks
+    dev = idx_TK.device
+    valid_TK = (idx_TK >= 0) & (idx_TK < E)
+    rank_TK = torch.where(valid_TK, idx_TK // e, -1)
+    # a slot repeats its token's rank when an earlier slot (k' < k) has the same one
+    same_TKK = (rank_TK[:, :, None] == rank_TK[:, None, :]) & torch.ones(K, K, dtype=torch.bool, device=dev).tril(-1)
+    first_TK = valid_TK & ~same_TKK.any(2)
+    layout = make_layout(torch.where(first_TK, rank_TK, -1), W, num_ranks=W, num_chunks=C, backend=backend)
+    # each sent row's rank and the local experts of its token's slots on that rank
+    rank_S = rank_TK.reshape(-1).index_select(0, layout.src_slot_S)
+    ranks_SK = rank_TK.index_select(0, layout.token_S)
+    on_rank_SK = (ranks_SK == rank_S[:, None]) & (rank_S[:, None] >= 0)
+    local_idx_SK = torch.where(on_rank_SK, idx_TK.index_select(0, layout.token_S) % e, -1)
+    chunk_S = repeat(chunk_of_tokens(T, C, dev), "t -> (t k)", k=K)
+    key_S = torch.where(valid_TK.reshape(-1), chunk_S * E + idx_TK.reshape(-1), C * E)
+    bins = torch.zeros(C * E + 1, dtype=torch.int64, device=dev).scatter_add_(0, key_S, torch.ones_like(key_S))
+    return RankRows(layout=layout, local_idx_SK=local_idx_SK,
+                    slot_counts_CWe=rearrange(bins[: C * E], "(c w e) -> c w e", c=C, w=W),
+                    num_invalid=((idx_TK < -1) | (idx_TK >= E)).sum())
