@@ -136,6 +136,8 @@ def _check_bench_args(ns) -> Optional[str]:
     for dt in ns.dtype:
         if dt not in ("float32", "bfloat16", "float16"):
             return f"--dtype {dt!r} is unknown; choose from float32, bfloat16, float16"
+    if ns.dispatch_scales != "fp32" and ns.dispatch_dtype != "fp8":
+        return f"--dispatch-scales {ns.dispatch_scales} only applies with --dispatch-dtype fp8"
     for E in ns.experts:
         if E % ns.world_size:
             return f"--experts {E} must be divisible by --world-size {ns.world_size}"
@@ -172,32 +174,66 @@ def _print_bench(points: List[dict]) -> None:
 
     t = Table(title="moe-comm bench: dispatch/combine vs the raw all_to_all_single of the same bytes "
                     "(slowest rank, medians)")
-    cols = ("W", "T", "H", "K", "E", "C", "dtype", "workload", "KiB/pair", "disp GB/s", "comb GB/s", "raw GB/s",
-            "e2e/raw", "limit", "path", "tok/s", "layout", "permute", "counts", "a2a", "regroup", "unperm", "floor",
-            "layer ms", "layer a2a", "layer p2p")
+    calls = any(p.get("call_s") for p in points)
+    cols = ["W", "T", "H", "K", "E", "C", "dtype", "wire", "workload", "KiB/pair", "disp GB/s", "disp wire GB/s",
+            "comb GB/s", "comb wire GB/s", "raw GB/s", "e2e/raw", "limit", "path", "tok/s", "layout", "permute",
+            "counts", "a2a", "regroup", "unperm", "floor", "layer ms", "layer a2a", "layer p2p"]
+    if calls:
+        cols += ["call ms", "dedup ms", "dedup wire"]
     for c in cols:
         t.add_column(c, justify="right")
     for p in points:
         ph = p["phases_s"]
-        t.add_row(str(p["world_size"]), str(p["tokens"]), str(p["hidden"]), str(p["top_k"]), str(p["experts"]),
-                  str(p["num_chunks"]), p["dtype"], p["workload"], f"{p['bytes_per_pair'] / 1024:.0f}",
-                  f"{p['dispatch_gbps']:.2f}", f"{p['combine_gbps']:.2f}", f"{p['raw_gbps']:.2f}",
-                  f"{p['end_to_end_vs_raw']:.2f}", f"{p['serial_limit_vs_raw']:.2f}", "p2p" if p["direct"] else "a2a",
-                  f"{p['tokens_per_s']:.0f}",
-                  *(f"{ph[k] * 1e3:.2f}" for k in ("layout", "permute", "counts", "a2a", "regroup", "unpermute",
-                                                   "barrier")),
-                  f"{p['layer_step_s'] * 1e3:.1f} {_short(p.get('layer_transport', ''))}" if p["layer_step_s"] else "-",
-                  *(f"{(p.get('layer_step_by_transport_s') or {}).get(k, 0) * 1e3:.1f}"
-                    if (p.get("layer_step_by_transport_s") or {}).get(k) else "-"
-                    for k in ("all_to_all", "point_to_point")))
-    t.caption = ("e2e/raw = 2 x raw a2a time / (dispatch + combine time); limit = 2 x raw / (min dispatch + "
-                 "min combine): the unavoidable passes (layout, counts under the permute, raw a2a; raw a2a, "
-                 "unpermute) timed back to back, none overlapping a transfer (moe_comm/bench.py); path: p2p = "
-                 "rows sent point-to-point into expert-major order, a2a = one all-to-all + regroup; "
-                 "phase columns in ms, each timed on its own, each including one barrier "
-                 "(floor); layer ms = pipelined MoELayer forward+backward with C chunks and the transport it chose; "
-                 "layer a2a / p2p = the same step with that transport forced (the layer runs dispatch's transports)")
-    Console(width=220).print(t)
+        row = [str(p["world_size"]), str(p["tokens"]), str(p["hidden"]), str(p["top_k"]), str(p["experts"]),
+               str(p["num_chunks"]), p["dtype"], _wire(p), p["workload"], f"{p['bytes_per_pair'] / 1024:.0f}",
+               *(_num(p[k]) for k in ("dispatch_logical_gbps", "dispatch_wire_gbps", "combine_logical_gbps",
+                                      "combine_wire_gbps", "raw_gbps")),
+               f"{p['end_to_end_vs_raw']:.2f}", f"{p['serial_limit_vs_raw']:.2f}",
+               "p2p" if p["direct"] else "a2a", f"{p['tokens_per_s']:.0f}",
+               *(f"{ph[k] * 1e3:.2f}" for k in ("layout", "permute", "counts", "a2a", "regroup", "unpermute",
+                                                "barrier")),
+               f"{p['layer_step_s'] * 1e3:.1f} {_short(p.get('layer_transport', ''))}" if p["layer_step_s"] else "-",
+               *(f"{(p.get('layer_step_by_transport_s') or {}).get(k, 0) * 1e3:.1f}"
+                 if (p.get("layer_step_by_transport_s") or {}).get(k) else "-"
+                 for k in ("all_to_all", "point_to_point"))]
+        if calls:
+            row += [f"{p['call_s'] * 1e3:.2f}", f"{p['call_dedup_s'] * 1e3:.2f}", _dedup_wire(p)] if p.get("call_s") \
+                else ["-", "-", "-"]
+        t.add_row(*row)
+    t.caption = ("disp / comb GB/s: logical bytes (routed slots x H x element size, rank 0) / time; wire GB/s: the "
+                 "bytes the all-to-alls moved (FP8: packed rows with their scales) / time; raw GB/s: the raw "
+                 "all-to-all of the dispatch's wire bytes and splits. wire: what the dispatch direction carries "
+                 "(x: the rows' dtype; combine and backward always do). "
+                 "e2e/raw = (raw dispatch + raw combine time) / (dispatch + combine time); limit = the same raw "
+                 "time / (min dispatch + min combine): the unavoidable passes (layout, counts under the permute, "
+                 "raw a2a [, FP8: quantize, dequantize]; raw a2a, unpermute) timed back to back, none overlapping "
+                 "a transfer (moe_comm/tools/bench.py); path: p2p = rows sent point-to-point into expert-major "
+                 "order, a2a = one all-to-all + regroup; phase columns in ms, each timed on its own, each "
+                 "including one barrier (floor); layer ms = pipelined MoELayer forward+backward with C chunks and "
+                 "the transport it chose; layer a2a / p2p = the same step with that transport forced (the layer "
+                 "runs dispatch's transports)"
+                 + ("; call ms / dedup ms = pipelined Dispatcher call, identity experts, forward only, one chunk, "
+                    "without / with dedup (one copy per (token, rank)); dedup wire = its wire bytes (both "
+                    "directions) / the plain call's" if calls else ""))
+    Console(width=300).print(t)  # one row per point with every figure: wider than most terminals
+
+
+def _num(v: float) -> str:
+    """GB/s as the table writes them: two decimals, three significant digits below 1 (small CPU runs)."""
+    return f"{v:.2f}" if v >= 1 else f"{v:.3g}"
+
+
+def _wire(p: dict) -> str:
+    """The wire column: "x" (rows in their dtype), "fp8" or "fp8 ue8m0"; "+dedup" when the layer used dedup."""
+    w = "x" if not p.get("dispatch_dtype") else "fp8" + (" ue8m0" if p.get("dispatch_scales") == "ue8m0" else "")
+    return w + (" +dedup" if p.get("dedup") else "")
+
+
+def _dedup_wire(p: dict) -> str:
+    plain, dd = p.get("call_bytes") or {}, p.get("call_dedup_bytes") or {}
+    num = dd.get("dispatch_wire", 0) + dd.get("combine_wire", 0)
+    den = plain.get("dispatch_wire", 0) + plain.get("combine_wire", 0)
+    return f"{num / den:.2f}x" if den > 0 else "-"
 
 
 def _short(transport: str) -> str:
@@ -213,14 +249,14 @@ def _plot_bench(points: List[dict], path: str) -> None:
     x = [p["bytes_per_pair"] / 2 ** 20 for p in pts]
     fig = Figure(figsize=(8, 5))  # no pyplot, no matplotlib.use: the caller's backend is untouched
     ax = fig.subplots()
-    ax.plot(x, [p["raw_gbps"] for p in pts], "k--o", label="raw all_to_all_single (same bytes)")
-    ax.plot(x, [p["dispatch_gbps"] for p in pts], "-o", label="moe_comm dispatch")
-    ax.plot(x, [p["combine_gbps"] for p in pts], "-s", label="moe_comm combine")
-    ax.plot(x, [p["dispatch_bytes"] / p["phases_s"]["min_dispatch"] / 1e9 for p in pts], ":^", color="gray",
+    ax.plot(x, [p["raw_gbps"] for p in pts], "k--o", label="raw all_to_all_single (same wire bytes)")
+    ax.plot(x, [p["dispatch_wire_gbps"] for p in pts], "-o", label="moe_comm dispatch")
+    ax.plot(x, [p["combine_wire_gbps"] for p in pts], "-s", label="moe_comm combine")
+    ax.plot(x, [p["dispatch_wire_bytes"] / p["phases_s"]["min_dispatch"] / 1e9 for p in pts], ":^", color="gray",
             label="minimal dispatch over the same transport")
     ax.set_xscale("log")
     ax.set_xlabel("message per rank pair (MiB)")
-    ax.set_ylabel("GB/s (bytes leaving a rank / time)")
+    ax.set_ylabel("GB/s (wire bytes leaving a rank / time)")
     ax.set_title(f"Dispatch throughput vs message size, {pts[0]['world_size']} ranks" if pts else "no points")
     ax.grid(True, alpha=0.3)
     ax.legend()
@@ -239,7 +275,8 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         return _relaunch_on_link(sys.argv[1:] if ns.argv is None else ns.argv, ns.link)
     opts = {"tokens": ns.tokens, "hidden": ns.hidden, "top_k": ns.top_k, "experts": ns.experts,
             "chunks": ns.chunks, "dtype": ns.dtype, "workload": ns.workload, "repeats": ns.repeats,
-            "ffn": ns.ffn, "layer": not ns.no_layer, "seed": ns.seed, "progress": not ns.quiet}
+            "ffn": ns.ffn, "layer": not ns.no_layer, "seed": ns.seed, "progress": not ns.quiet,
+            "dispatch_dtype": ns.dispatch_dtype, "dispatch_scales": ns.dispatch_scales, "dedup": ns.dedup}
     points = run_ranks(bench_rank, ns.world_size, opts)
     if not points:
         print("error: the ranks returned no results", file=sys.stderr)
@@ -268,7 +305,7 @@ def cmd_profile(ns: argparse.Namespace) -> int:
         except json.JSONDecodeError:
             params[k] = v
     keys = ("world_size", "tokens", "hidden", "ffn", "experts", "top_k", "num_chunks", "steps", "warmup",
-            "workload", "dtype", "seed", "link", "link_delay")
+            "workload", "dtype", "seed", "link", "link_delay", "dispatch_dtype", "dispatch_scales", "dedup")
     opts = {**{k: getattr(ns, k) for k in keys}, "workload_params": params, "timeout_s": ns.timeout}
     try:
         return profile_main(opts, ns.out)
@@ -292,6 +329,17 @@ def _add_layer_args(sp, *, world_size: int, tokens: int, hidden: int, ffn: int, 
     sp.add_argument("--ffn", type=_positive, default=ffn, help="expert FFN size (F)")
     sp.add_argument("--experts", type=_positive, default=experts, help="experts across the group (E)")
     sp.add_argument("--top-k", type=_positive, default=top_k, help="experts per token (K)")
+
+
+def _add_wire_args(sp) -> None:
+    """What travels, the flags bench and profile share: ``Dispatcher(dispatch_dtype=, dispatch_scales=, dedup=)``."""
+    sp.add_argument("--dispatch-dtype", choices=["none", "fp8"], default="none",
+                    help="dispatch rows on the wire: none (x's dtype) or fp8 (float8_e4m3fn, one scale per 128 "
+                         "elements; combine and backward stay in x's dtype)")
+    sp.add_argument("--dispatch-scales", choices=["fp32", "ue8m0"], default="fp32",
+                    help="FP8 block scales: fp32 (4 bytes) or ue8m0 (1-byte powers of two)")
+    sp.add_argument("--dedup", action="store_true",
+                    help="one copy per (token, destination rank) in the pipelined call and the layer")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -324,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=_positive, default=10, help="timed repeats per point (median reported)")
     b.add_argument("--seed", type=int, default=0, help="routing seed")
     b.add_argument("--no-layer", action="store_true", help="skip the MoELayer forward+backward step")
+    _add_wire_args(b)
     b.add_argument("--link", default=None, help="run on an emulated link of this rate, e.g. 1gbit (root, ip, tc)")
     b.add_argument("--json", default=None, help="write all figures to this JSON file")
     b.add_argument("--plot", default=None, help="write a PNG of throughput vs message size (needs matplotlib)")
@@ -347,6 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="workload parameter, repeatable, e.g. p=0.8")
     pr.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     pr.add_argument("--seed", type=int, default=0)
+    _add_wire_args(pr)
     pr.add_argument("--link", default=None, help="run on an emulated link of this tc rate, e.g. 1gbit (root, ip, tc)")
     pr.add_argument("--link-delay", default=None, help="extra one-way delay on the emulated link, e.g. 1ms (netem)")
     pr.add_argument("--timeout", type=float, default=900, help="seconds before the run is abandoned")

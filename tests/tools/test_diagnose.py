@@ -2,14 +2,16 @@
 
 Tier 1 (pure logic, no processes): ``diagnose`` on synthetic results with hand-computed spans (every
 finding's numbers, each branch of the suggestion logic, every predicted gain against
-``autotune.predict_step`` / ``choose_num_chunks`` with the measured overlap efficiency eta),
+``autotune.predict_step`` / ``choose_num_chunks`` with the measured overlap efficiency eta, FP8 dispatch
+and dedup with the bytes of ``wire``),
 ``format_diagnosis``, ``plot_timeline`` on synthetic spans (and that it leaves pyplot unloaded), option
 checking, and ``python -m moe_comm.tools.diagnose`` as the namespace re-launch builds it (one child
 Python, no ranks).
 Tier 2 (multi-rank gloo, 2 spawned ranks): ``profile_main`` end to end on tiny sizes with a skewed
 workload: the three files exist and parse, figures are positive, rows are conserved, the diagnosis'
 communication share is what the Chrome trace's own spans give, and the model behind the suggestion is
-``predict_step`` with the eta the run measured. ~8 s.
+``predict_step`` with the eta the run measured; a run with FP8 dispatch and dedup whose collected
+distinct rows are the Dispatcher's own byte counts. ~8 s each (longer on a loaded machine).
 """
 from __future__ import annotations
 
@@ -21,12 +23,15 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from moe_comm import ops
 from moe_comm.dispatch.autotune import choose_num_chunks, predict_step
 from moe_comm.placement import plan_placement
 from moe_comm.profiling import Span
 from moe_comm.tools.diagnose import (MIN_GAIN_SHARE, Diagnosis, diagnose, format_diagnosis, normalize_opts,
                                      plot_timeline, profile_main)
+from moe_comm.tools.diagnose.collect import distinct_rows_W
 from moe_comm.tools.diagnose.render import _sub_lanes
 from moe_comm.tools.diagnose.run import relaunch_command
 
@@ -54,9 +59,11 @@ def step_spans(rank, t0=0.0, compute_scale=1.0):
 
 
 def synth(*, W=2, steps=2, C=1, H=64, F=64, E=4, K=2, T=1000, elsize=4, alpha=1e-4, beta=1e9,
-          expert_fwd=2e-3, gemm_ratio=1.0, rows=None, kappa=1e-5, compute_scale=None, bytes_scale=1.0, eta=0.8):
+          expert_fwd=2e-3, gemm_ratio=1.0, rows=None, kappa=1e-5, compute_scale=None, bytes_scale=1.0, eta=0.8,
+          dispatch_dtype=None, dedup=False, dedup_rows=None):
     """A profile_rank-shaped result. rows: rows received per rank (default: balanced T*K); eta: the
-    measured overlap efficiency."""
+    measured overlap efficiency; dispatch_dtype / dedup: what the run used; dedup_rows: per rank
+    (rows_sent_dedup, rows_recv_dedup), the distinct (token, rank) rows (None: not collected)."""
     rows = rows or [float(T * K)] * W
     compute_scale = compute_scale or [1.0] * W
     spans = [s for r in range(W) for k in range(steps)
@@ -71,8 +78,11 @@ def synth(*, W=2, steps=2, C=1, H=64, F=64, E=4, K=2, T=1000, elsize=4, alpha=1e
                       "bytes_sent": T * K * H * elsize * bytes_scale, "bytes_recv": R * H * elsize * bytes_scale,
                       "expert_rows": int(R), "expert_fwd_s": fwd, "expert_fwdbwd_s": 3 * fwd, "expert_flops": flops,
                       "gemm_s": fwd * gemm_ratio / 3.0, "gemm_flops": 2.0 * R * H * F, "kappa_s": kappa})
+        if dedup_rows is not None:
+            ranks[-1]["rows_sent_dedup"], ranks[-1]["rows_recv_dedup"] = dedup_rows[r]
     opts = {"dtype": "float32", "workload": "uniform"}
     return {"opts": opts, "world_size": W, "steps": steps, "num_chunks": C, "element_size": elsize, "hidden": H,
+            "dispatch_dtype": dispatch_dtype, "dispatch_scales": "fp32", "dedup": dedup,
             "ffn": F, "experts": E, "top_k": K, "tokens": T, "spans": spans, "step_s": [0.02] * steps,
             "alpha_s": alpha, "beta_bytes_per_s": beta, "overlap_efficiency": eta, "overlap_probe_bytes": 64000,
             "ranks": ranks}
@@ -134,7 +144,7 @@ def test_slow_rank_follows_expert_load():
 
 
 # ============================================================ tier 1: suggestions
-ALLOWED_ACTIONS = {"chunks", "rebalance", "tokens", "keep"}  # levers the library has today
+ALLOWED_ACTIONS = {"chunks", "rebalance", "tokens", "fp8", "dedup", "keep"}  # levers the library has today
 
 
 def _check_suggestion_consistent(d: Diagnosis):
@@ -215,7 +225,7 @@ def test_suggest_fewer_chunks():
     X, B, kappa = _model_inputs(r)
     assert s.numbers["best_C"] == choose_num_chunks(X, B, 5e-3, 1e9, kappa, overlap=0.8).num_chunks
     assert d.finding("link").numbers["regime"] == "latency"
-    assert {a["action"] for a in s.alternatives} == {"chunks", "tokens"}
+    assert {a["action"] for a in s.alternatives} == {"chunks", "tokens", "fp8"}
 
 
 def test_suggest_rebalance():
@@ -266,6 +276,120 @@ def test_suggest_keep_when_nothing_gains():
     assert d.suggestion.action == "keep" and d.suggestion.predicted_gain_s == 0.0
 
 
+# ============================================================ tier 1: FP8 dispatch and dedup
+# comm-bound: 1000 x 2 rows of H=128 float32 = 1.024 MB per all-to-all at 100 MB/s (10 ms), experts 0.1 ms
+COMM_BOUND = dict(H=128, expert_fwd=1e-4, beta=1e8, alpha=1e-5)
+
+
+def _fp8_bytes(B, H=128, elsize=4):
+    """B with FP8 dispatch: the forward dispatch in packed rows, the other three transfers unchanged."""
+    return B * (ops.packed_width(H) / (H * elsize) + 3) / 4
+
+
+def test_fp8_is_the_suggestion_when_comm_bound():
+    """Tier 1: comm-bound float32: FP8 dispatch wins; its gain is predict_step with B and with the mean
+    of the step's four transfers (the forward dispatch at 132 / 512 bytes per row), and the text says
+    what it costs in accuracy."""
+    r = synth(**COMM_BOUND)
+    d = diagnose(r)
+    _check_suggestion_consistent(d)
+    s = d.suggestion
+    assert s.action == "fp8", s
+    X, B, kappa = _model_inputs(r)
+    B8 = _fp8_bytes(B)
+    assert ops.packed_width(128) == 132 and B8 == pytest.approx(B * (132 / 512 + 3) / 4)
+    assert s.numbers["bytes_per_a2a_fp8"] == pytest.approx(B8) and s.numbers["fp8_row_bytes"] == 132
+    want = (predict_step(1, X, B, 1e-5, 1e8, kappa, overlap=0.8)
+            - predict_step(1, X, B8, 1e-5, 1e8, kappa, overlap=0.8))
+    assert s.predicted_gain_s == pytest.approx(want) and want > MIN_GAIN_SHARE * d.step_s
+    assert "dispatch_dtype=torch.float8_e4m3fn" in s.text
+    assert "3 mantissa bits" in s.text and "2^-4" in s.text
+    assert "FP8 dispatch" in format_diagnosis(d)
+
+
+def test_fp8_already_on_is_never_suggested():
+    """Tier 1: the same comm-bound run with FP8 on: no FP8 candidate, and the model's current step (and
+    the link finding's message) already use the FP8 bytes."""
+    for kw in (COMM_BOUND, *SCENARIOS):
+        r = synth(**kw, dispatch_dtype="float8_e4m3fn")
+        d = diagnose(r)
+        _check_suggestion_consistent(d)
+        assert d.suggestion.action != "fp8"
+        assert "fp8" not in {a["action"] for a in d.suggestion.alternatives}
+    r = synth(**COMM_BOUND, dispatch_dtype="float8_e4m3fn")
+    d = diagnose(r)
+    X, B, kappa = _model_inputs(r)
+    assert d.suggestion.numbers["model_current_s"] == pytest.approx(
+        predict_step(1, X, _fp8_bytes(B), 1e-5, 1e8, kappa, overlap=0.8))
+    assert d.finding("link").numbers["bytes_per_a2a_busiest"] == pytest.approx(_fp8_bytes(B))
+    assert "fp8-dispatch" in d.header
+
+
+def _dedup_bytes(r):
+    """B with one copy per rank: busiest rank's distinct rows, [2K] + [K] float32 metadata per row over the
+    four transfers (the two extra exchanges per chunk are 6 / 4 of alpha, not bytes)."""
+    row, K = r["hidden"] * r["element_size"], r["top_k"]
+    busiest = max(max(d["rows_sent_dedup"], d["rows_recv_dedup"]) for d in r["ranks"]) * row
+    return busiest * (4 + 3 * K * 4 / row) / 4
+
+
+def test_alternatives_carry_fp8_and_dedup():
+    """Tier 1: a comm-bound run whose routing sends 70% of its routed rows as distinct (token, rank)
+    pairs: both FP8 and dedup are candidates, each gain predict_step's; dedup (every transfer shrinks)
+    beats FP8 (only the forward dispatch does)."""
+    rows_dedup = [(1400.0, 1400.0), (1400.0, 1400.0)]  # of 2000 routed rows per rank
+    r = synth(**COMM_BOUND, dedup_rows=rows_dedup)
+    d = diagnose(r)
+    _check_suggestion_consistent(d)
+    s = d.suggestion
+    gains = {a["action"]: a["gain_s"] for a in s.alternatives}
+    assert {"fp8", "dedup"} <= set(gains)
+    X, B, kappa = _model_inputs(r)
+
+    def model(B_, alpha=1e-5):
+        return predict_step(1, X, B_, alpha, 1e8, kappa, overlap=0.8)
+
+    Bd = _dedup_bytes(r)
+    assert gains["fp8"] == pytest.approx(model(B) - model(_fp8_bytes(B)))
+    assert gains["dedup"] == pytest.approx(model(B) - model(Bd, 1.5e-5))
+    assert s.action == "dedup" and s.numbers["dedup_rows_ratio"] == pytest.approx(0.7)
+    assert "dedup=True" in s.text and "70%" in s.text
+
+
+def test_dedup_needs_the_distinct_rows_and_a_shared_rank():
+    """Tier 1: no dedup candidate without the distinct-rows counts or when every token's experts are on
+    different ranks (ratio 1); a run with dedup on is diagnosed with its own bytes and never suggests it;
+    dedup on without the counts is rejected, named."""
+    assert "dedup" not in {a["action"] for a in diagnose(synth(**COMM_BOUND)).suggestion.alternatives}
+    flat = synth(**COMM_BOUND, dedup_rows=[(2000.0, 2000.0)] * 2)
+    assert "dedup" not in {a["action"] for a in diagnose(flat).suggestion.alternatives}
+    on = synth(**COMM_BOUND, dedup=True, dedup_rows=[(1400.0, 1400.0)] * 2)
+    d = diagnose(on)
+    assert "dedup" not in {a["action"] for a in d.suggestion.alternatives}
+    X, _, kappa = _model_inputs(on)
+    assert d.suggestion.numbers["bytes_per_a2a"] == pytest.approx(_dedup_bytes(on))
+    assert d.suggestion.numbers["alpha_model_s"] == pytest.approx(1.5e-5)
+    assert d.suggestion.numbers["model_current_s"] == pytest.approx(
+        predict_step(1, X, _dedup_bytes(on), 1.5e-5, 1e8, kappa, overlap=0.8))
+    # FP8 on top of dedup: the dedup rows' forward dispatch in packed rows, with dedup's alpha
+    fp8 = [a for a in d.suggestion.alternatives if a["action"] == "fp8"]
+    row = 128 * 4
+    B8 = 1400 * row * (132 / row + 3 + 3 * 2 * 4 / row) / 4
+    assert fp8 and fp8[0]["gain_s"] == pytest.approx(
+        predict_step(1, X, _dedup_bytes(on), 1.5e-5, 1e8, kappa, overlap=0.8)
+        - predict_step(1, X, B8, 1.5e-5, 1e8, kappa, overlap=0.8))
+    with pytest.raises(ValueError, match="rows_sent_dedup"):
+        diagnose(synth(**COMM_BOUND, dedup=True))
+
+
+def test_distinct_rows_per_rank():
+    """Tier 1: the docstring example of collect.distinct_rows_W (a dropped slot sends nothing)."""
+    idx = torch.tensor([[0, 1], [3, 0], [-1, 2]])
+    assert distinct_rows_W(idx, 2, 2).tolist() == [2, 2]
+    assert distinct_rows_W(torch.tensor([[0, 2], [1, 3]]), 2, 2).tolist() == [2, 2]
+    assert distinct_rows_W(torch.tensor([[0, 1], [1, 0]]), 2, 2).tolist() == [2, 0]
+
+
 SCENARIOS = [dict(), dict(elsize=2, expert_fwd=5e-3, beta=2e8), dict(C=8, alpha=5e-3, expert_fwd=1e-3),
              dict(W=4, E=8, rows=[4000.0, 4000.0 / 3, 4000.0 / 3, 4000.0 / 3], alpha=2e-2, expert_fwd=8e-3),
              dict(alpha=5e-3, expert_fwd=1e-3), dict(H=256, F=64, expert_fwd=1e-5, beta=1e8),
@@ -276,16 +400,18 @@ SCENARIOS = [dict(), dict(elsize=2, expert_fwd=5e-3, beta=2e8), dict(C=8, alpha=
 @pytest.mark.parametrize("kw", SCENARIOS)
 def test_suggestions_use_only_levers_the_library_has(kw, eta):
     """Tier 1: across bandwidth-bound, latency-bound, skewed and negligible-comm results, the suggestion
-    and every alternative are num_chunks / rebalance / more tokens / keep: no FP8 (the library has none),
-    no routing change it cannot turn into fewer bytes; a chunks suggestion's C is choose_num_chunks'
-    with the measured eta."""
+    and every alternative are num_chunks / rebalance / more tokens / FP8 dispatch / dedup / keep, no
+    routing change it cannot turn into fewer bytes; FP8 is a candidate (the run had it off) and its text
+    names the accuracy cost; dedup is none (these results carry no distinct-rows counts); a chunks
+    suggestion's C is choose_num_chunks' with the measured eta."""
     r = synth(**kw, eta=eta)
     d = diagnose(r)
     _check_suggestion_consistent(d)
     s = d.suggestion
-    assert {a["action"] for a in s.alternatives} <= ALLOWED_ACTIONS
-    assert "fp8" not in s.text.lower() and "fp8" not in json.dumps(s.numbers).lower()
-    assert "fp8" not in format_diagnosis(d).lower()
+    actions = {a["action"] for a in s.alternatives}
+    assert actions <= ALLOWED_ACTIONS and "dedup" not in actions
+    if s.action == "fp8":
+        assert "3 mantissa bits" in s.text and "2^-4" in s.text
     if s.action == "chunks":
         X, B, kappa = _model_inputs(r)
         assert s.numbers["best_C"] == choose_num_chunks(X, B, r["alpha_s"], r["beta_bytes_per_s"], kappa,
@@ -345,10 +471,19 @@ def test_sub_lanes_packing():
                                          ({"experts": 6, "world_size": 4}, "divisible"),
                                          ({"workload": "nope"}, "workload"),
                                          ({"hidden": 4, "experts": 8}, "hidden"),
-                                         ({"tokens": 0}, "tokens"), ({"link": "fast"}, "rate")])
+                                         ({"tokens": 0}, "tokens"), ({"link": "fast"}, "rate"),
+                                         ({"dispatch_dtype": "int8"}, "dispatch_dtype"), ({"dedup": 1}, "dedup"),
+                                         ({"dispatch_scales": "e5m2"}, "dispatch_scales")])
 def test_bad_options(bad, needle):
     with pytest.raises(ValueError, match=needle):
         normalize_opts(bad)
+
+
+def test_wire_options_normalised():
+    """Tier 1: "fp8" / "none" become the dtype name / None."""
+    assert normalize_opts({"dispatch_dtype": "fp8"})["dispatch_dtype"] == "float8_e4m3fn"
+    assert normalize_opts({"dispatch_dtype": "none"})["dispatch_dtype"] is None
+    assert normalize_opts({})["dedup"] is False and normalize_opts({})["dispatch_scales"] == "fp32"
 
 
 def test_profile_main_exit_code_2_on_bad_options(tmp_path, capsys):
@@ -426,7 +561,36 @@ def test_profile_main_two_ranks(tmp_path, capsys):
     assert n["overlap_efficiency"] == eta
     assert n["model_current_s"] == pytest.approx(predict_step(2, X, B, res["alpha_s"], res["beta_bytes_per_s"],
                                                               kappa, overlap=eta))
-    assert sug["action"] in ALLOWED_ACTIONS and "fp8" not in sug["text"].lower()
+    assert sug["action"] in ALLOWED_ACTIONS
+    # FP8 and dedup were off: both are candidates, dedup from the distinct (token, rank) rows collected
+    assert res["dispatch_dtype"] is None and res["dedup"] is False and res["fp8_row_bytes"] == 36
+    for r in res["ranks"]:
+        assert 0 < r["rows_sent_dedup"] <= r["rows_sent"] and 0 < r["rows_recv_dedup"] <= r["rows_recv"]
+        assert r["last_bytes"]["dispatch_wire"] == r["last_bytes"]["dispatch_logical"] > 0
+    assert {"fp8", "dedup"} <= {a["action"] for a in sug["alternatives"]}
+    assert sum(r["rows_sent_dedup"] for r in res["ranks"]) == pytest.approx(sum(r["rows_recv_dedup"]
+                                                                               for r in res["ranks"]))
     if sug["action"] == "chunks":
         assert n["best_C"] == choose_num_chunks(X, B, res["alpha_s"], res["beta_bytes_per_s"], kappa,
                                                 overlap=eta).num_chunks
+
+
+@pytest.mark.multirank
+def test_profile_fp8_dedup_counts_match_the_dispatchers_bytes(tmp_path, capsys):
+    """Tier 2: 2 spawned gloo ranks, the layer with FP8 dispatch and dedup, one timed step: the distinct
+    (token, rank) rows collect derives from the routing are the rows the Dispatcher says it sent
+    (last_bytes: packed rows + [2K] float32 metadata forward, float32 rows back), and neither lever is
+    suggested again."""
+    opts = {"world_size": 2, "tokens": 64, "hidden": 32, "ffn": 16, "experts": 4, "top_k": 2, "steps": 1,
+            "warmup": 1, "dispatch_dtype": "fp8", "dedup": True}
+    assert profile_main(opts, str(tmp_path)) == 0
+    assert "fp8-dispatch dedup" in capsys.readouterr().out
+    prof = json.loads((tmp_path / "profile.json").read_text())
+    res, sug = prof["result"], prof["diagnosis"]["suggestion"]
+    assert res["dispatch_dtype"] == "float8_e4m3fn" and res["dedup"] is True
+    for r in res["ranks"]:
+        rows = r["rows_sent_dedup"]
+        assert 64 <= rows < 128 and rows == int(rows)
+        assert r["last_bytes"]["combine_wire"] == rows * 32 * 4
+        assert r["last_bytes"]["dispatch_wire"] == rows * (ops.packed_width(32) + 2 * 2 * 4)
+    assert not {"fp8", "dedup"} & {a["action"] for a in sug["alternatives"]}

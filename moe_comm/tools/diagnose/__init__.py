@@ -7,8 +7,10 @@ One file per concern, each usable alone:
   the layer, times ``steps`` forward+backward steps with the timeline on, then measures what the
   diagnosis needs with the measurements ``num_chunks="auto"`` itself runs (``dispatch.autotune``: the
   alpha-beta fit, the overlap efficiency eta, the per-chunk overhead) plus the bare expert GEMMs on the
-  rows this rank received, a plain GEMM, and the expert load.
+  rows this rank received, a plain GEMM, the expert load, and the distinct (token, rank) rows of the
+  routing (what dedup would send).
 - ``findings``: ``diagnose(result) -> Diagnosis``, a pure function of that result: six findings.
+- ``wire``: the bytes per all-to-all the model sees with FP8 dispatch and / or dedup on or off.
 - ``suggest``: the one suggestion, every gain predicted by ``autotune.predict_step`` with the measured eta.
 - ``render``: ``format_diagnosis`` (text) and ``plot_timeline`` (PNG).
 - ``run``: ``profile_main(opts, out_dir)`` runs it all (on an emulated slow link when ``opts["link"]``

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from moe_comm.dispatch.autotune import chunk_overhead, measure_alpha_beta, measure_overlap
-from moe_comm.tools.diagnose.options import DTYPES, normalize_opts
+from moe_comm.tools.diagnose.options import DTYPES, FP8, normalize_opts
 
-__all__ = ["profile_rank", "OVERLAP_PROBE_CHUNKS"]
+__all__ = ["profile_rank", "distinct_rows_W", "OVERLAP_PROBE_CHUNKS"]
 
 # eta is probed with one chunk of a 4-deep pipeline, the message num_chunks="auto" probes with
 # (dispatch.autotune: measure_overlap(group, device, bytes_max // 4), bytes_max the largest dispatch).
@@ -130,6 +130,17 @@ def _measure_experts(layer, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, devic
             "expert_flops": 6.0 * R * H * F, "gemm_s": gemm_s, "gemm_flops": 2.0 * M * H * F}
 
 
+def distinct_rows_W(topk_idx_TK: torch.Tensor, num_local_experts: int, world_size: int) -> torch.Tensor:
+    """[W] int64: tokens of this rank with at least one expert on rank w, i.e. the rows a dispatch with one
+    copy per (token, rank) sends there. topk_idx_TK: [T, K] int64 global expert ids, -1 = dropped.
+    Example: e = 2, W = 2, topk_idx_TK = [[0, 1], [3, 0], [-1, 2]] -> [2, 2] (routed slots: [3, 2])."""
+    valid_TK = topk_idx_TK >= 0
+    rank_TK = torch.where(valid_TK, topk_idx_TK // num_local_experts, 0)
+    hits_TW = torch.zeros(topk_idx_TK.shape[0], world_size, dtype=torch.int64, device=topk_idx_TK.device)
+    hits_TW.scatter_add_(1, rank_TK, valid_TK.to(torch.int64))
+    return (hits_TW > 0).sum(0)
+
+
 def profile_rank(rank: int, world_size: int, opts: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     """Profile one MoELayer on the default process group; call it on every rank (``run_ranks``).
 
@@ -142,12 +153,18 @@ def profile_rank(rank: int, world_size: int, opts: Dict[str, Any]) -> Optional[D
         all-to-all fit), "overlap_efficiency" (eta of ``autotune.measure_overlap``, the smallest over
         the ranks) with "overlap_probe_bytes" (its message), and "ranks": one dict per rank with
         "rows_sent", "rows_recv" (mean per step), "rows_recv_per_expert" [e], "bytes_sent",
-        "bytes_recv" (per step, dispatch direction), "expert_rows" (R of the bare expert measurement:
+        "bytes_recv" (per step, dispatch direction, logical: rows x H x element size), "rows_sent_dedup",
+        "rows_recv_dedup" (distinct (token, destination rank) rows of the same routing, mean per step: what
+        one copy per rank would move), "last_bytes" (``Dispatcher.last_bytes`` of the last timed step's
+        layer call), "expert_rows" (R of the bare expert measurement:
         the rows the last timed step's routing sends this rank), "expert_fwd_s", "expert_fwdbwd_s" (bare
         experts on those rows with their per-expert counts), "expert_flops" (forward: 6 R H F),
         "gemm_s", "gemm_flops" (plain [max(R,1), H] x [H, F]), "kappa_s" (``autotune.chunk_overhead``:
-        one more chunk's fixed cost, as num_chunks="auto" measures it).
+        one more chunk's fixed cost, as num_chunks="auto" measures it). Also "dispatch_dtype" (None or
+        "float8_e4m3fn"), "dispatch_scales", "dedup" (what the layer ran with), "fp8_row_bytes"
+        (``ops.packed_width(H)`` with those scales) and "weight_element_size" (of the routing weights).
     """
+    from moe_comm import ops
     from moe_comm.config import MoEConfig
     from moe_comm.modules.layer import MoELayer
     from moe_comm.routing import count_tokens
@@ -161,7 +178,9 @@ def profile_rank(rank: int, world_size: int, opts: Dict[str, Any]) -> Optional[D
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     elsize = torch.empty((), dtype=dtype).element_size()
 
-    cfg = MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=K, num_chunks=C)
+    cfg = MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=K, num_chunks=C, dedup=opts["dedup"],
+                    dispatch_dtype=torch.float8_e4m3fn if opts["dispatch_dtype"] == FP8 else None,
+                    dispatch_scales=opts["dispatch_scales"])
     layer = MoELayer(cfg, seed=opts["seed"], device=device, dtype=dtype)
     if opts["workload"] != "router":
         _pin_router(layer)
@@ -169,19 +188,28 @@ def profile_rank(rank: int, world_size: int, opts: Dict[str, Any]) -> Optional[D
     step_s, xs = _timed_steps(layer, opts, rank, dtype, device)
     spans = layer.timeline.gather()
 
-    # Expert load of the timed steps: rows every expert received (summed over sources), mean per step.
+    last_bytes = dict(layer.dispatcher.last_bytes)
+    # Expert load of the timed steps: rows every expert received (summed over sources), mean per step; and the
+    # distinct (token, rank) rows per destination (what one copy per rank moves), summed over sources.
     with torch.no_grad():
-        routes = [layer.router(x_TH).topk_idx_TK for x_TH in xs]
+        routing = [layer.router(x_TH) for x_TH in xs]
+    routes = [r.topk_idx_TK for r in routing]
+    weight_es = routing[0].topk_weight_TK.element_size()
     counts_E = torch.zeros(E, dtype=torch.int64, device=device)
+    distinct_W = torch.zeros(W, dtype=torch.int64, device=device)
     sent = torch.zeros((), dtype=torch.int64, device=device)
     for topk_idx_TK in routes:
         c_E, dropped = count_tokens(topk_idx_TK, E)
         counts_E += c_E
         sent += topk_idx_TK.numel() - dropped
-    dist.all_reduce(counts_E, group=group)
+        distinct_W += distinct_rows_W(topk_idx_TK, e, W)
+    sent_rows = torch.stack([sent, distinct_W.sum()])  # this rank's routed and distinct rows
+    load = torch.cat([counts_E, distinct_W])
+    dist.all_reduce(load, group=group)
     n = len(routes)
-    per_step = (torch.cat([counts_E, sent.reshape(1)]).double() / n).tolist()  # host sync: after the timed steps
-    load_We, rows_sent = torch.tensor(per_step[:E], dtype=torch.float64).reshape(W, e), per_step[E]
+    per_step = (torch.cat([load, sent_rows]).double() / n).tolist()  # host sync: after the timed steps
+    load_We = torch.tensor(per_step[:E], dtype=torch.float64).reshape(W, e)
+    recv_dedup, (rows_sent, sent_dedup) = per_step[E + rank], per_step[E + W:]
 
     # eta probed as num_chunks="auto" probes it: the largest rank's dispatch bytes / OVERLAP_PROBE_CHUNKS.
     bytes_max = torch.tensor([rows_sent * H * elsize], dtype=torch.float64, device=device)
@@ -196,7 +224,8 @@ def profile_rank(rank: int, world_size: int, opts: Dict[str, Any]) -> Optional[D
     per_expert = load_We[rank].tolist()  # host sync: profiling, after the timed steps
     mine = {"rank": rank, "rows_sent": rows_sent, "rows_recv": float(load_We[rank].sum()),
             "rows_recv_per_expert": per_expert, "bytes_sent": rows_sent * H * elsize,
-            "bytes_recv": float(load_We[rank].sum()) * H * elsize, **measured, "kappa_s": kappa_s}
+            "bytes_recv": float(load_We[rank].sum()) * H * elsize, "rows_sent_dedup": sent_dedup,
+            "rows_recv_dedup": recv_dedup, "last_bytes": last_bytes, **measured, "kappa_s": kappa_s}
     every: List[Optional[Dict[str, Any]]] = [None] * W
     dist.all_gather_object(every, mine, group=group)  # NCCL: pickled into tensors on the current CUDA device
     if rank != 0:
@@ -204,7 +233,10 @@ def profile_rank(rank: int, world_size: int, opts: Dict[str, Any]) -> Optional[D
     return {
         "opts": opts, "world_size": W, "steps": opts["steps"], "num_chunks": C, "element_size": elsize,
         "hidden": H, "ffn": F, "experts": E, "top_k": K, "tokens": T, "device": str(device),
-        "backend": dist.get_backend(group),
+        "backend": dist.get_backend(group), "dispatch_dtype": opts["dispatch_dtype"],
+        "dispatch_scales": opts["dispatch_scales"], "dedup": opts["dedup"],
+        "fp8_row_bytes": ops.packed_width(H, ue8m0=opts["dispatch_scales"] == "ue8m0"),
+        "weight_element_size": weight_es,
         "spans": [dataclasses.asdict(s) for s in spans], "step_s": step_s,
         "alpha_s": alpha, "beta_bytes_per_s": beta, "overlap_efficiency": eta, "overlap_probe_bytes": probe,
         "ranks": every,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from moe_comm.profiling import Span, overlap_report
+from moe_comm.tools.diagnose import wire
 from moe_comm.tools.diagnose.suggest import Suggestion, mb, ms, suggest
 
 __all__ = ["Finding", "Diagnosis", "diagnose", "SATURATED_RATIO", "COMM_DOMINANT_SHARE", "SLOW_RANK_RATIO",
@@ -135,6 +136,9 @@ def diagnose(result: Dict[str, Any]) -> Diagnosis:
     missing = [k for k in _RESULT_KEYS if k not in result]
     if missing:
         raise ValueError(f"result lacks {', '.join(missing)} (a profile_rank result has them all)")
+    if wire.dedup_on(result) and not wire.has_dedup_rows(result):
+        raise ValueError("result has dedup=True but its ranks lack rows_sent_dedup / rows_recv_dedup (a "
+                         "profile_rank result has them): the bytes of one copy per rank cannot be known")
     spans = [s if isinstance(s, Span) else Span(**s) for s in result["spans"]]
     if not spans:
         raise ValueError("result['spans'] is empty: nothing was recorded (was the timeline enabled?)")
@@ -149,7 +153,8 @@ def diagnose(result: Dict[str, Any]) -> Diagnosis:
     suggestion = suggest(result, ctx.step_s, findings[4].numbers)
     r, o = result, result.get("opts", {})
     dims = (f"W={r['world_size']} T={r['tokens']} H={r['hidden']} F={r['ffn']} E={r['experts']} K={r['top_k']} "
-            f"C={r['num_chunks']} {o.get('dtype', '')} workload={o.get('workload', '?')}")
+            f"C={r['num_chunks']} {o.get('dtype', '')} workload={o.get('workload', '?')}"
+            + (" fp8-dispatch" if wire.fp8_on(r) else "") + (" dedup" if wire.dedup_on(r) else ""))
     link = o.get("emulated_link") or o.get("link")
     header = f"moe_comm profile: {dims}, {steps} steps" + (f", emulated link {link}" if link else "")
     return Diagnosis(findings=findings, suggestion=suggestion, step_s=ctx.step_s, header=header)
@@ -251,10 +256,11 @@ def _finding_overlap(ctx: _Ctx) -> Finding:
 
 def _finding_link(ctx: _Ctx) -> Finding:
     """5. Bandwidth- or latency-bound: a chunk's message (busiest rank, max of sent and received bytes
-    per all-to-all / C) against the knee alpha * beta of the fit."""
+    per all-to-all / C; with FP8 dispatch or dedup in the run the mean over the step's four transfers,
+    ``wire.mean_bytes_per_a2a``) against the knee alpha * beta of the fit."""
     alpha, beta = float(ctx.result["alpha_s"]), float(ctx.result["beta_bytes_per_s"])
     C, W = ctx.result["num_chunks"], ctx.result["world_size"]
-    bytes_busy = max(max(d["bytes_sent"], d["bytes_recv"]) for d in ctx.ranks_info)
+    bytes_busy = wire.mean_bytes_per_a2a(ctx.result, fp8=wire.fp8_on(ctx.result), dedup=wire.dedup_on(ctx.result))
     msg = bytes_busy / C
     measured = _mean(s.duration for s in ctx.spans if s.kind == "comm" and s.phase in ("dispatch", "combine"))
     if beta == float("inf") or W == 1:

@@ -10,7 +10,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-__all__ = ["DEFAULT_OPTS", "DTYPES", "normalize_opts"]
+__all__ = ["DEFAULT_OPTS", "DTYPES", "FP8", "normalize_opts"]
 
 DEFAULT_OPTS: Dict[str, Any] = {
     "world_size": 2,        # W: gloo ranks to spawn (ignored under torchrun)
@@ -26,6 +26,9 @@ DEFAULT_OPTS: Dict[str, Any] = {
     "workload_params": {},  # e.g. {"p": 0.6} for hot_rank / hot_experts
     "dtype": "float32",
     "seed": 0,
+    "dispatch_dtype": None,  # None (rows travel in dtype) or "float8_e4m3fn" (FP8 dispatch; "fp8" is accepted)
+    "dispatch_scales": "fp32",  # FP8 block scales, "fp32" or "ue8m0" (also what an FP8 suggestion models)
+    "dedup": False,         # one copy per (token, destination rank) in the layer's pipelined call
     "link": None,           # e.g. "1gbit": re-run inside a namespace with a shaped loopback
     "link_delay": None,     # e.g. "1ms": netem delay on that link
     "timeout_s": 900,       # the whole run on the emulated link
@@ -33,6 +36,7 @@ DEFAULT_OPTS: Dict[str, Any] = {
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
+FP8 = "float8_e4m3fn"  # the one dispatch_dtype besides None (Dispatcher(dispatch_dtype=torch.float8_e4m3fn))
 _INT_OPTS = ("world_size", "tokens", "hidden", "ffn", "experts", "top_k", "num_chunks", "steps")
 
 
@@ -41,8 +45,9 @@ def normalize_opts(opts: Optional[Dict[str, Any]]) -> Dict[str, Any]:
 
     opts: a dict with keys of ``DEFAULT_OPTS`` (missing ones take the default) or None (all defaults).
     Raises TypeError when opts is not a dict; ValueError naming the field (unknown key, K > E, E not
-    divisible by W, unknown workload or dtype, a skewed workload with H < E, too many ranks for this
-    machine, a malformed link rate or delay).
+    divisible by W, unknown workload, dtype, dispatch_dtype or dispatch_scales, a non-bool dedup, a
+    skewed workload with H < E, too many ranks for this machine, a malformed link rate or delay).
+    dispatch_dtype None / "none" becomes None, "fp8" / "float8_e4m3fn" becomes "float8_e4m3fn".
     """
     from moe_comm.testing.workloads import WORKLOADS, make_workload
     from moe_comm.tools.launch import launched_by_torchrun
@@ -73,6 +78,16 @@ def normalize_opts(opts: Optional[Dict[str, Any]]) -> Dict[str, Any]:
                          f"use torchrun for more), got {o['world_size']}")
     if o["dtype"] not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {o['dtype']!r}")
+    if o["dispatch_dtype"] in (None, "none"):
+        o["dispatch_dtype"] = None
+    elif o["dispatch_dtype"] in ("fp8", FP8):
+        o["dispatch_dtype"] = FP8
+    else:
+        raise ValueError(f"dispatch_dtype must be None, 'none', 'fp8' or {FP8!r}, got {o['dispatch_dtype']!r}")
+    if o["dispatch_scales"] not in ("fp32", "ue8m0"):
+        raise ValueError(f"dispatch_scales must be 'fp32' or 'ue8m0', got {o['dispatch_scales']!r}")
+    if not isinstance(o["dedup"], bool):
+        raise ValueError(f"dedup must be a bool, got {o['dedup']!r}")
     if o["workload"] != "router":
         if o["workload"] not in WORKLOADS:
             raise ValueError(f"workload must be 'router' or one of {', '.join(WORKLOADS)}, got {o['workload']!r}")
