@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <type_traits>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -31,6 +32,7 @@
 // The AVX2 copies need GCC's target attribute on templates; other compilers get the generic loops only.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define MOE_QUANT_AVX2 1
+#include <immintrin.h>
 #endif
 
 namespace {
@@ -221,10 +223,51 @@ __attribute__((target("avx2"))) void quantize_row_avx2(const scalar_t* x_H, int6
                                                        const PackedLayout& L, uint8_t* q_B) {
   quantize_row_body(x_H, H, ue8m0, L, q_B);
 }
+// 8 codes -> float32(q) * s (a table gather, one IEEE multiply), NaN -> the canonical quiet NaN.
+__attribute__((target("avx2"))) inline __m256 dequantize8(const uint8_t* q, const float* lut, __m256 s) {
+  const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+  const __m256 v = _mm256_mul_ps(_mm256_i32gather_ps(lut, idx, 4), s);
+  const __m256 nan = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(kCanonicalNaN)));
+  return _mm256_blendv_ps(v, nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+// float32 and bfloat16 rows: 8 elements per step with the same operations as from_f32 (bfloat16: nearest
+// even on the bits; the canonical float NaN rounds to 0x7FC0); other dtypes and the tail: the plain loop.
+// Measured (1 thread, 8192 x 1024 float32 rows): 16 ms with the plain loop, see benchmarks/wire.py.
 template <typename scalar_t>
 __attribute__((target("avx2"))) void dequantize_row_avx2(const uint8_t* q_B, int64_t H, bool ue8m0,
                                                          const PackedLayout& L, const float* lut, scalar_t* y_H) {
-  dequantize_row_body(q_B, H, ue8m0, L, lut, y_H);
+  if constexpr (!std::is_same<scalar_t, float>::value && !std::is_same<scalar_t, at::BFloat16>::value) {
+    dequantize_row_body(q_B, H, ue8m0, L, lut, y_H);
+  } else {
+    for (int64_t j = 0; j < L.n; ++j) {
+      const uint8_t* code = q_B + L.s0 + j * L.sb;
+      float s;
+      if (ue8m0) {
+        s = ue8m0_scale(code[0]);
+      } else {
+        uint32_t sbits = 0;
+        for (int k = 0; k < 4; ++k) sbits |= static_cast<uint32_t>(code[k]) << (8 * k);
+        s = float_of(sbits);
+      }
+      const __m256 s8 = _mm256_set1_ps(s);
+      const int64_t h0 = j * kBlock, len = std::min(kBlock, H - h0);
+      int64_t i = 0;
+      for (; i + 8 <= len; i += 8) {
+        const __m256 v = dequantize8(q_B + h0 + i, lut, s8);
+        if constexpr (std::is_same<scalar_t, float>::value) {
+          _mm256_storeu_ps(reinterpret_cast<float*>(y_H + h0 + i), v);
+        } else {
+          const __m256i b = _mm256_castps_si256(v);
+          const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+          const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7FFF)), odd), 16);
+          const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, _mm256_setzero_si256()), 0x08);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(y_H + h0 + i), _mm256_castsi256_si128(packed));
+        }
+      }
+      for (; i < len; ++i) y_H[h0 + i] = from_f32<scalar_t>(lut[q_B[h0 + i]] * s);
+    }
+  }
 }
 #endif
 

@@ -326,9 +326,28 @@ class Dispatcher:
         """Bytes of one FP8 packed row (payload and scales)."""
         return ops.packed_width(hidden, ue8m0=self.dispatch_scales == "ue8m0")
 
+    def _presend(self, x_TH: torch.Tensor, layout, fresh: bool) -> torch.Tensor:
+        """The rows a call sends, permuted while its control exchange travels; made without autograd (the
+        gradient reaches x_TH through the transfer's backward). FP8: the packed rows, each token quantized
+        once. On CPU exactly the N routed rows (the counts are host memory: nothing to wait for); on an
+        accelerator N is unknown until the exchange is read, so every slot that can hold a row is copied (the
+        routed ones first) and the caller narrows to N. fresh: a new tensor (the experts may keep the rows:
+        W = 1), else the workspace's send buffer."""
+        lay = layout.layout if isinstance(layout, ops.RankRows) else layout
+        T, K = lay.num_tokens, lay.top_k
+        if x_TH.device.type == "cpu":
+            rows = int(lay.counts_CWe.sum())  # host sync: none, CPU tensors (nothing to wait for)
+        else:
+            rows = T * min(K, self.world_size) if lay is not layout else T * K
+        src = x_TH.detach().contiguous()
+        if self.dispatch_dtype is not None:
+            src = ops.quantize_rows(src, ue8m0=self.dispatch_scales == "ue8m0", backend=self.backend)
+        out = src.new_empty(rows, src.shape[1]) if fresh else self.workspace.rows("send", rows, src.shape[1], src)
+        return select_backend(self.backend, x_TH.device).permute_rows(src, lay.token_S[:rows], out=out)
+
     def _send_rows(self, x_TH: torch.Tensor, layout):
-        """The permuted rows a call sends: (the pipeline's differentiable input, FP8 packed rows or None).
-        Plain: (x_NH, None); FP8: (x_TH, q_NB) - each token quantized once, its packed row copied per row."""
+        """The permuted rows of a padded (sync-free) call: (the pipeline's differentiable input, FP8 packed rows
+        or None). Plain: (x_NH, None); FP8: (x_TH, q_NB) - each token quantized once, its packed row copied."""
         W, N, H = self.world_size, layout.num_rows, x_TH.shape[1]
         if self.dispatch_dtype is None:
             out = None if W == 1 else self.workspace.rows("send", N, H, x_TH)
@@ -395,17 +414,8 @@ class Dispatcher:
         pending, layout = self._open(Phase.DISPATCH, x_TH, topk_idx_TK, 1)
         send_SH = None
         if layout is not None and (self.world_size > 1 or self.dispatch_dtype is not None):
-            # Permute while the control exchange travels. On CPU, N is read now (no device to wait for); on
-            # an accelerator that would be a second host sync, so every slot (dropped ones last) is copied
-            # into a [T*K, H] workspace and the first N rows are sent. Made without autograd: the gradient
-            # reaches x_TH through _DispatchRows. FP8: the packed rows of the quantized tokens.
-            with self.timeline.compute("permute"):
-                rows = layout.num_rows if x_TH.device.type == "cpu" else layout.num_tokens * layout.top_k
-                src_TB = x_TH.detach().contiguous()
-                if self.dispatch_dtype is not None:
-                    src_TB = ops.quantize_rows(src_TB, ue8m0=self.dispatch_scales == "ue8m0", backend=self.backend)
-                send_SH = select_backend(self.backend, x_TH.device).permute_rows(
-                    src_TB, layout.token_S[:rows], out=self.workspace.rows("send", rows, src_TB.shape[1], src_TB))
+            with self.timeline.compute("permute"):  # while the control exchange travels
+                send_SH = self._presend(x_TH, layout, fresh=False)
         if layout is None:
             self.channel.end(pending)  # raises on every rank
         handle = self._close(pending, layout, 1, x_TH.shape[1])
@@ -510,15 +520,17 @@ class Dispatcher:
                                      rank_rows=self.dedup and self.world_size > 1)
         if layout is None:
             self.channel.end(pending)  # raises on every rank
+        with self.timeline.compute("permute"):  # while the control exchange travels
+            send_NB = self._presend(x_TH, layout, fresh=self.world_size == 1 and self.dispatch_dtype is None)
         handle = self._close(pending, layout, C, x_TH.shape[1])
+        wire_NB = send_NB.narrow(0, 0, handle.layout.num_rows)
         with self.timeline.compute("permute"):
-            x_in, wire_NB = self._send_rows(x_TH, handle.layout)
             meta_NM = None if handle.rank_rows is None else self._slot_meta(handle.rank_rows, topk_weight_TK)
         # y_NH is saved for backward when the weights need grad at this rank's unpermute (not with one copy per
         # rank: the experts' ranks apply the weights)
         self._record_bytes(handle, x_TH, meta_NM)
         keep = torch.is_grad_enabled() and topk_weight_TK.requires_grad and meta_NM is None
-        y_NH, side_out, expert_s = run_pipeline(self, handle, x_in, expert_fn, side_fn, measure=measure,
+        y_NH, side_out, expert_s = run_pipeline(self, handle, x_TH, expert_fn, side_fn, measure=measure,
                                                 keep_output=keep, meta_NM=meta_NM, wire_NB=wire_NB)
         if measure:
             nbytes = handle.layout.num_rows * x_TH.shape[1] * x_TH.element_size()

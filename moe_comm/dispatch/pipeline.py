@@ -67,7 +67,7 @@ class _Run:
     # deferred: its phases move placeholder rows, and the error is raised at the next read
     meta: bool = False  # one copy per (token, rank): a [N, 2K] (local expert ids, weights) payload travels along
     meta_dtype: Optional[torch.dtype] = None  # its dtype (the weights' gradient comes back in it)
-    wire: Optional[torch.Tensor] = None  # FP8 dispatch: the packed rows [N, B] sent instead of x (x is then x_TH)
+    wire: Optional[torch.Tensor] = None  # the permuted rows [N, B] sent instead of x (x is then x_TH); FP8: packed
 
 
 class _Failure:
@@ -116,7 +116,7 @@ class _PipelinedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, meta_NM: Optional[torch.Tensor], anchor: Optional[torch.Tensor],
                 run: _Run) -> torch.Tensor:
-        # x: the permuted rows x_NH, or x_TH when run.wire (FP8) is what travels
+        # x: the permuted rows x_NH, or x_TH when run.wire (rows permuted without autograd) is what travels
         src = (x.contiguous() if run.wire is None else run.wire,) + (() if meta_NM is None else (meta_NM,))
         with run.dispatcher.workspace.dropped_on_error():
             y_NH = _forward(run, src, x)
@@ -144,7 +144,7 @@ class _PipelinedExperts(torch.autograd.Function):
             grad_x, grad_w_NK = _backward(run, grad_y_NH.contiguous(), failed=error or run.failed)
         if run.wire is not None and run.handle.layout is None:  # FP8 on a rank whose input was rejected
             grad_x = None
-        elif run.wire is not None:  # FP8: straight through the quantization, back to the tokens (permute's backward)
+        elif run.wire is not None:  # back to the tokens (permute's backward); FP8: straight through the quantization
             grad_x = select_backend(d.backend, grad_x.device).unpermute_rows(grad_x, run.handle.layout.dest_row_TK)
         grad_meta = None
         if ctx.meta_shape is not None and ctx.needs_input_grad[1]:
@@ -199,7 +199,8 @@ def _schedule(run: _Run, src: Tuple[torch.Tensor, ...], out: Tuple[torch.Tensor,
 
 
 def _forward(run: _Run, src: Tuple[torch.Tensor, ...], x: torch.Tensor) -> torch.Tensor:
-    """src: the rows that travel (x_NH or FP8 packed rows, then the [N, 2K] metadata with one copy per rank)."""
+    """src: the rows that travel (x_NH, or the rows permuted without autograd: FP8 packed or in x's dtype; then
+    the [N, 2K] metadata with one copy per rank)."""
     d, chunks, tl = run.dispatcher, run.handle.chunks, run.dispatcher.timeline
     N, H, dtype = src[0].shape[0], x.shape[1], x.dtype
     K = run.handle.layout.top_k if run.meta else 0
@@ -208,7 +209,7 @@ def _forward(run: _Run, src: Tuple[torch.Tensor, ...], x: torch.Tensor) -> torch
     def experts(c: int, received: Tuple[torch.Tensor, ...]) -> Tuple[torch.Tensor]:
         p = chunks[c]
         tokens_RH = received[0]
-        if run.wire is not None:
+        if d.dispatch_dtype is not None:
             with tl.compute("dequantize", chunk=c):
                 tokens_RH = ops.dequantize_rows(tokens_RH, H, dtype, ue8m0=d.dispatch_scales == "ue8m0",
                                                 backend=d.backend)
@@ -286,8 +287,8 @@ def run_pipeline(dispatcher, handle, x: torch.Tensor, expert_fn: Callable,
     """Pipelined dispatch -> expert_fn -> combine of the permuted rows ``x`` = x_NH [N, H]. ``failed``: this
     rank's input was rejected; it moves placeholder rows through the whole schedule, then raises ``failed``.
     ``meta_NM``: [N, 2K] local expert ids (as floats) and slot weights of each row (one copy per rank: the
-    experts' ranks expand each row and return the weighted sum). ``wire_NB``: FP8 packed rows sent instead
-    of the rows; ``x`` is then x_TH and its gradient comes back through ``handle.layout``.
+    experts' ranks expand each row and return the weighted sum). ``wire_NB``: the rows to send, permuted
+    without autograd (FP8: packed); ``x`` is then x_TH and its gradient comes back through ``handle.layout``.
 
     Returns (y_NH [N, H] combined rows in sent order, side_fn's result or None, expert seconds
     when ``measure`` else 0).

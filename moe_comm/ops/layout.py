@@ -205,19 +205,24 @@ class RankRows:
             ``permute`` / ``unpermute`` (no weights) with it send and sum the rows.
         local_idx_SK: [T*K, K] int64, for sent row n (the first N' rows are routed): the local expert
             (0..e-1) of each of its token's K slots that go to the row's rank, -1 for the others.
+        slot_pos_TK: [T, K] int64, where slot (t, k) sits in ``local_idx_SK`` flattened (row * K + k);
+            T*K*K for dropped slots.
         slot_counts_CWe: [C, W, e] int64 routed slots per (chunk, rank, local expert): what the experts get.
         num_invalid: [] int64 ids outside [-1, E) (treated as dropped, as in ``make_layout``).
     """
 
     layout: Layout
     local_idx_SK: torch.Tensor
+    slot_pos_TK: torch.Tensor
     slot_counts_CWe: torch.Tensor
     num_invalid: torch.Tensor
 
     def slot_weights(self, topk_weight_TK: torch.Tensor) -> torch.Tensor:
         """[T*K, K] weights of each row's slots (0 where local_idx_SK is -1); differentiable w.r.t. the weights."""
-        w_SK = topk_weight_TK.index_select(0, self.layout.token_S)
-        return torch.where(self.local_idx_SK >= 0, w_SK, torch.zeros_like(w_SK))
+        S, K = self.local_idx_SK.shape
+        flat = topk_weight_TK.new_zeros(S * K + 1).scatter(0, self.slot_pos_TK.reshape(-1),
+                                                           topk_weight_TK.reshape(-1))
+        return flat[: S * K].view(S, K)
 
 
 def make_rank_rows(topk_idx_TK: torch.Tensor, num_experts: int, *, num_ranks: int, num_chunks: int = 1,
@@ -239,21 +244,22 @@ def make_rank_rows(topk_idx_TK: torch.Tensor, num_experts: int, *, num_ranks: in
         raise ValueError(f"num_experts ({num_experts}) must be divisible by num_ranks, got num_ranks={num_ranks}")
     T, K = idx_TK.shape
     E, W, C, e = num_experts, num_ranks, num_chunks, num_experts // num_ranks
-    dev = idx_TK.device
+    S, dev = T * K, idx_TK.device
     valid_TK = (idx_TK >= 0) & (idx_TK < E)
     rank_TK = torch.where(valid_TK, idx_TK // e, -1)
-    # a slot repeats its token's rank when an earlier slot (k' < k) has the same one
-    same_TKK = (rank_TK[:, :, None] == rank_TK[:, None, :]) & torch.ones(K, K, dtype=torch.bool, device=dev).tril(-1)
-    first_TK = valid_TK & ~same_TKK.any(2)
+    # the first slot of each slot's (token, rank) pair: argmax returns the first True
+    first_k_TK = (rank_TK[:, :, None] == rank_TK[:, None, :]).to(torch.uint8).argmax(2) if S else rank_TK
+    k_K = torch.arange(K, device=dev)
+    first_TK = valid_TK & (first_k_TK == k_K)
     layout = make_layout(torch.where(first_TK, rank_TK, -1), W, num_ranks=W, num_chunks=C, backend=backend)
-    # each sent row's rank and the local experts of its token's slots on that rank
-    rank_S = rank_TK.reshape(-1).index_select(0, layout.src_slot_S)
-    ranks_SK = rank_TK.index_select(0, layout.token_S)
-    on_rank_SK = (ranks_SK == rank_S[:, None]) & (rank_S[:, None] >= 0)
-    local_idx_SK = torch.where(on_rank_SK, idx_TK.index_select(0, layout.token_S) % e, -1)
+    # every routed slot writes its local expert into its pair's row; dropped slots into a spare last word
+    row_TK = layout.dest_row_TK.gather(1, first_k_TK)
+    pos_TK = torch.where(valid_TK, row_TK * K + k_K, S * K)
+    local = torch.full((S * K + 1,), -1, dtype=torch.int64, device=dev)
+    local.scatter_(0, pos_TK.reshape(-1), torch.where(valid_TK, idx_TK % e, -1).reshape(-1))
     chunk_S = repeat(chunk_of_tokens(T, C, dev), "t -> (t k)", k=K)
     key_S = torch.where(valid_TK.reshape(-1), chunk_S * E + idx_TK.reshape(-1), C * E)
     bins = torch.zeros(C * E + 1, dtype=torch.int64, device=dev).scatter_add_(0, key_S, torch.ones_like(key_S))
-    return RankRows(layout=layout, local_idx_SK=local_idx_SK,
+    return RankRows(layout=layout, local_idx_SK=local[: S * K].view(S, K), slot_pos_TK=pos_TK,
                     slot_counts_CWe=rearrange(bins[: C * E], "(c w e) -> c w e", c=C, w=W),
                     num_invalid=((idx_TK < -1) | (idx_TK >= E)).sum())
