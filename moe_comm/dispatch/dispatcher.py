@@ -363,12 +363,12 @@ class Dispatcher:
 
     @staticmethod
     def _slot_meta(rank_rows, topk_weight_TK: torch.Tensor) -> torch.Tensor:
-        """[N, 2K] what travels with each row of one copy per rank: its slots' local expert ids (-1: not on
-        that rank; exact as floats) and weights (0 there), in float32 (float64 weights stay float64)."""
-        N = rank_rows.layout.num_rows
+        """[T*K, 2K] what travels with each row of one copy per rank (the first N rows are sent): its slots'
+        local expert ids (-1: not on that rank; exact as floats) and weights (0 there), in float32 (float64
+        weights stay float64)."""
         dtype = torch.float64 if topk_weight_TK.dtype == torch.float64 else torch.float32
-        w_NK = rank_rows.slot_weights(topk_weight_TK.to(dtype)).narrow(0, 0, N)
-        return torch.cat([rank_rows.local_idx_SK.narrow(0, 0, N).to(dtype), w_NK], 1)
+        w_SK = rank_rows.slot_weights(topk_weight_TK.to(dtype))
+        return torch.cat([rank_rows.local_idx_SK.to(dtype), w_SK], 1)
 
     def _exchange_status(self, phase: Phase, handle: DispatchHandle, error: Optional[BaseException] = None,
                          failed: Failure = Failure.NONE, chunk: int = -1, row_bytes: int = -1, dtype: int = -1,
@@ -522,10 +522,10 @@ class Dispatcher:
             self.channel.end(pending)  # raises on every rank
         with self.timeline.compute("permute"):  # while the control exchange travels
             send_NB = self._presend(x_TH, layout, fresh=self.world_size == 1 and self.dispatch_dtype is None)
+            meta_SM = self._slot_meta(layout, topk_weight_TK) if isinstance(layout, ops.RankRows) else None
         handle = self._close(pending, layout, C, x_TH.shape[1])
         wire_NB = send_NB.narrow(0, 0, handle.layout.num_rows)
-        with self.timeline.compute("permute"):
-            meta_NM = None if handle.rank_rows is None else self._slot_meta(handle.rank_rows, topk_weight_TK)
+        meta_NM = None if meta_SM is None else meta_SM.narrow(0, 0, handle.layout.num_rows)
         # y_NH is saved for backward when the weights need grad at this rank's unpermute (not with one copy per
         # rank: the experts' ranks apply the weights)
         self._record_bytes(handle, x_TH, meta_NM)

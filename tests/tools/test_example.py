@@ -5,9 +5,12 @@ Four spawned gloo ranks train a small MoE transformer (attention + MoE FFN) as E
 model at EP 4 x DP 1, and compare every step's loss with the same model trained in one process. The script
 must exit 0, print a curve within fp32 noise of the one-process curve (relative difference <= 1e-4 at every
 step, both before and after the resharded resume), and a final loss below the first.
+A short second run on 2 ranks with ``--fp8-dispatch --dedup`` (FP8 rows, one copy per rank) must finish with
+a finite final loss within the script's 2% of the fp32 one-process run.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -21,6 +24,8 @@ ROW_RE = re.compile(r"^\s*(\d+)\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.e+-]+)\s+EP (\d)
 CURVE_RE = re.compile(r"^curve vs one process: max relative difference ([0-9.e+-]+) over (\d+) steps .*: OK$",
                       re.MULTILINE)
 FINAL_RE = re.compile(r"^final: loss first ([0-9.]+) -> last ([0-9.]+)", re.MULTILINE)
+FP8_RE = re.compile(r"^fp8 dispatch: final loss (\S+) vs fp32 one process (\S+): relative difference (\S+) "
+                    r"\(tolerance 2e-02\): OK$", re.MULTILINE)
 
 
 @pytest.mark.multirank
@@ -44,3 +49,18 @@ def test_train_example_matches_one_process_across_a_resharded_resume(tmp_path):
     assert float(final.group(2)) < float(final.group(1))
     assert "checkpoint: dcp.save after step 8 at EP 2 x DP 2 (4 files, one per rank)" in proc.stdout
     assert sorted(p.name for p in ckpt.iterdir() if p.suffix == ".distcp") == [f"__{r}_0.distcp" for r in range(4)]
+
+
+@pytest.mark.multirank
+def test_train_example_with_fp8_dispatch_and_dedup_finishes_near_the_fp32_loss(tmp_path):
+    cmd = [sys.executable, SCRIPT, "--world-size", "2", "--ep", "2", "--resume-ep", "2", "--steps", "6",
+           "--fp8-dispatch", "--dedup", "--timeout", "120", "--checkpoint", str(tmp_path / "dcp")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"exit code {proc.returncode}:\n{out[-4000:]}"
+    assert "wire (EP x DP model; the one-process reference keeps fp32 rows): one copy per (token, rank), FP8" in out
+    m = FP8_RE.search(proc.stdout)
+    assert m, out[-4000:]
+    got, ref, rel = (float(v) for v in m.groups())
+    assert math.isfinite(got) and math.isfinite(ref)
+    assert 0 < rel <= 2e-2  # FP8 rows change the loss a little, not more
