@@ -23,6 +23,9 @@ Sections, in run order (each in try/except; the JSON file is rewritten after eac
                  moe_comm.testing.syncs.HostSyncs anywhere
   sync_free      MoEConfig(max_tokens_per_rank=M): no host sync in forward and backward, the dropless
                  layer's output and gradients
+  fp8_dispatch   FP8 rows: Triton quantize/dequantize vs the torch reference bit for bit (fp32 and ue8m0
+                 scales, NaN/Inf blocks, the e4m3 bound); a layer with dispatch_dtype=float8_e4m3fn near the
+                 plain one, host syncs
   nccl_world1    a 1-rank NCCL group in a subprocess: async all_to_all_single, what wait() blocks, a CPU
                  tensor rejected, Dispatcher and MoELayer on the group (gloo with CPU tensors on the dry run)
   two_ranks      2 spawned ranks over gloo with CUDA tensors on the one GPU (CPU tensors on the dry run):
@@ -996,6 +999,56 @@ def start_world1(ctx: Ctx) -> Dict:
     cmd += ["--dry-run-cpu"] if ctx.dry else []
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
     return {"proc": proc, "out": out, "t0": time.monotonic()}
+
+
+@section("fp8_dispatch", needs_s=15)
+def sec_fp8_dispatch(ctx: Ctx, rec: Record) -> None:
+    """FP8 rows (``ops.quantize_rows`` / ``dequantize_rows``): Triton vs the torch reference bit for bit (packed
+    bytes and dequantized rows, fp32 and ue8m0 scales, NaN/Inf blocks); a W = 1 layer with
+    dispatch_dtype=float8_e4m3fn within 2^-4 of the plain layer (relative, in norm), and no host sync beyond
+    the plain layer's one read."""
+    import moe_comm
+    from moe_comm import ops
+
+    if not hasattr(ops, "quantize_rows"):
+        raise NotCovered("moe_comm.ops has no quantize_rows (FP8 dispatch is not in this checkout)")
+    fp8 = torch.float8_e4m3fn
+    T, Hs = (4096, (7168, 130)) if ctx.cuda else (6, (130,))
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        for H in Hs:
+            for ue8m0 in (False, True):
+                label = f"{name} H={H} {'ue8m0' if ue8m0 else 'fp32'} scales"
+                with rec.step(label):
+                    x = payload(ctx, (T, H), dtype, 40 + H)
+                    x[0, :3] = float("nan")
+                    x[1, 5] = float("inf")
+                    q_tri = ops.quantize_rows(x, ue8m0=ue8m0, backend="triton")
+                    q_ref = ops.quantize_rows(x, ue8m0=ue8m0, backend="torch")
+                    rec.check(f"{label}: packed bytes, triton = torch", *compare_bits(q_tri, q_ref))
+                    y_tri = ops.dequantize_rows(q_ref, H, dtype, ue8m0=ue8m0, backend="triton")
+                    y_ref = ops.dequantize_rows(q_ref, H, dtype, ue8m0=ue8m0, backend="torch")
+                    rec.check(f"{label}: dequantized rows, triton = torch", *compare_bits(y_tri, y_ref))
+                    bound = ops.fp8_error_bound(x[2:], ue8m0=ue8m0)
+                    err = (y_ref[2:].double() - x[2:].double()).abs()
+                    ok = bool((err <= bound + (2 ** -8 if dtype == torch.bfloat16 else 0) * x[2:].double().abs()).all())
+                    rec.check(f"{label}: finite rows within the e4m3 bound", ok)
+    layer, x = sync_layer(ctx, num_chunks=1)
+    quant = moe_comm.MoELayer(layer.cfg.replace(dispatch_dtype=fp8), seed=3, device=ctx.device, dtype=x.dtype,
+                              backend=ctx.backend, end_check="deferred", allow_single_process=True)
+    quant.load_state_dict(layer.state_dict())
+    gy = torch.randn(x.shape, generator=ctx.gen(6), device=ctx.device, dtype=torch.float64)
+    want, got = run_layer(layer, x, gy), run_layer(quant, x, gy)
+    for k in ("y", "x", "w1", "w2"):  # the same routing (the router sees x): only the experts' inputs differ
+        err = float((got[k].double() - want[k].double()).norm() / want[k].double().norm().clamp_min(1e-30))
+        rec.check(f"{'output' if k == 'y' else 'grad ' + k}: FP8 layer within 2^-4 of the plain layer (norm)",
+                  err <= 2 ** -4, f"rel err {err:.2e}")
+    if host_syncs_class() is None:
+        rec.not_covered("HostSyncs", "moe_comm.testing.syncs missing")
+    else:
+        fwd, bwd = fwd_bwd_syncs(quant, x, "hostsyncs")
+        rec.data["hostsyncs_forward"], rec.data["hostsyncs_backward"] = fwd, bwd
+        rec.check("HostSyncs: forward 1 sync (the control exchange read)", len(fwd) == 1, f"{len(fwd)}: {fwd}")
+        rec.check("HostSyncs: backward 0 syncs (W = 1)", not bwd, f"{len(bwd)}: {bwd}")
 
 
 @section("nccl_world1", needs_s=20)

@@ -36,7 +36,9 @@ def _rank_compile(rank, world_size, backend):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("world_size,backend", [(2, "aot_eager"), (4, "aot_eager"), (2, "inductor")])
+# Each rank compiles its own process's graph: the world size changes only the row counts, which 2 ranks
+# already vary (4 ranks compiling on 2 cores took 50 s of CI for no other coverage).
+@pytest.mark.parametrize("world_size,backend", [(2, "aot_eager"), (2, "inductor")])
 def test_compiled_model_matches_eager(ranks, world_size, backend):
     for y_diff, grad_diff, breaks, stacks in ranks(world_size).run(_rank_compile, backend, timeout=300):
         tol = 0.0 if backend == "aot_eager" else 1e-5

@@ -107,32 +107,37 @@ def _dense(x, idx, w, W_full):
     return y
 
 
+def _runs(chunk_counts):
+    """(dedup, C) pairs: the plain path once, one copy per rank at every chunk count."""
+    return [(False, chunk_counts[0])] + [(True, C) for C in chunk_counts]
+
+
 def _rank_dedup(rank, world_size, E, K, tokens, drop, chunk_counts, w_grad):
     T, e = tokens[rank], E // world_size
     x, idx, w = _data(rank, E, K, T, drop)
     W_full = _experts(E)
-    # reference: every rank's gradient of the expert weights is the sum over all ranks' tokens
-    xr, wr, Wr = x.clone().requires_grad_(True), w.clone().requires_grad_(w_grad), W_full.clone().requires_grad_(True)
-    yr = _dense(xr, idx, wr, Wr)
+    # the dense reference of this rank's outputs and input/weight gradients (the experts' weight gradients sum
+    # over every rank's tokens: those are compared between the two modes below)
+    xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(w_grad)
+    yr = _dense(xr, idx, wr, W_full)
     (yr * torch.arange(1, H + 1, dtype=torch.float64)).sum().backward()
     out = {"ref": (yr.detach(), xr.grad, wr.grad)}
-    for dedup in (False, True):
-        for C in chunk_counts:
-            xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(w_grad)
-            W_local = W_full[rank * e:(rank + 1) * e].clone().requires_grad_(True)
+    for dedup, C in _runs(chunk_counts):
+        xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(w_grad)
+        W_local = W_full[rank * e:(rank + 1) * e].clone().requires_grad_(True)
 
-            def expert_fn(tokens_RH, tokens_per_expert_e):
-                outs, start = [], 0
-                for j, n in enumerate(tokens_per_expert_e.tolist()):
-                    outs.append(torch.tanh(tokens_RH[start:start + n] @ W_local[j]))
-                    start += n
-                return torch.cat(outs) if outs else tokens_RH * 1.0
+        def expert_fn(tokens_RH, tokens_per_expert_e):
+            outs, start = [], 0
+            for j, n in enumerate(tokens_per_expert_e.tolist()):
+                outs.append(torch.tanh(tokens_RH[start:start + n] @ W_local[j]))
+                start += n
+            return torch.cat(outs) if outs else tokens_RH * 1.0
 
-            d = moe_comm.Dispatcher(E, num_chunks=C, dedup=dedup)
-            y = d(xi, idx, wi, expert_fn)
-            (y * torch.arange(1, H + 1, dtype=torch.float64)).sum().backward()
-            out[(dedup, C)] = (y.detach(), xi.grad, wi.grad, W_local.grad, d.last_bytes)
-    return out, Wr.grad[rank * e:(rank + 1) * e] if Wr.grad is not None else None
+        d = moe_comm.Dispatcher(E, num_chunks=C, dedup=dedup)
+        y = d(xi, idx, wi, expert_fn)
+        (y * torch.arange(1, H + 1, dtype=torch.float64)).sum().backward()
+        out[(dedup, C)] = (y.detach(), xi.grad, wi.grad, W_local.grad, d.last_bytes)
+    return out
 
 
 def _rel(a, b):
@@ -152,17 +157,15 @@ def _rel(a, b):
 def test_dedup_matches_dense_reference(ranks, world_size, E, K, tokens, drop, w_grad):
     chunk_counts = [1, 3]
     per_rank = ranks(world_size).run(_rank_dedup, E, K, tokens, drop, chunk_counts, w_grad)
-    # the experts' weight gradients sum over every rank's tokens: add up the references
-    for rank, (res, _) in enumerate(per_rank):
+    for rank, res in enumerate(per_rank):
         y_ref, x_ref, w_ref = res["ref"]
-        for dedup in (False, True):
-            for C in chunk_counts:
-                y, xg, wg, Wg, _ = res[(dedup, C)]
-                assert _rel(y, y_ref) <= 1e-12, (rank, dedup, C)
-                assert _rel(xg, x_ref) <= 1e-12, (rank, dedup, C)
-                assert _rel(wg, w_ref) <= 1e-12, (rank, dedup, C)
-                # expert gradients agree between the two modes (each a sum over all ranks' rows)
-                assert _rel(Wg, res[(False, 1)][3]) <= 1e-12, (rank, dedup, C)
+        for dedup, C in _runs(chunk_counts):
+            y, xg, wg, Wg, _ = res[(dedup, C)]
+            assert _rel(y, y_ref) <= 1e-12, (rank, dedup, C)
+            assert _rel(xg, x_ref) <= 1e-12, (rank, dedup, C)
+            assert _rel(wg, w_ref) <= 1e-12, (rank, dedup, C)
+            # expert gradients agree between the two modes (each a sum over all ranks' rows)
+            assert _rel(Wg, res[(False, 1)][3]) <= 1e-12, (rank, dedup, C)
         wire, logical = res[(True, 1)][4], res[(False, 1)][4]
         assert wire["dispatch_logical"] == logical["dispatch_logical"] == logical["dispatch_wire"]
         # one copy per (token, rank) never sends more rows than one per slot (plus the [2K] metadata)
@@ -171,7 +174,7 @@ def test_dedup_matches_dense_reference(ranks, world_size, E, K, tokens, drop, w_
         assert rows_dedup <= rows_plain
     # with K = 4 of 8 experts on 2 ranks, tokens share ranks: fewer rows travel
     if (world_size, K) == (2, 4):
-        res = per_rank[0][0]
+        res = per_rank[0]
         assert res[(True, 1)][4]["combine_wire"] < res[(False, 1)][4]["combine_wire"]
 
 

@@ -23,8 +23,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.py")
 
 SECTIONS = ["env", "kernels", "kernels_int64", "bandwidth", "experts", "layer", "host_syncs", "sync_free",
-            "nccl_world1", "two_ranks", "timeline", "pytest_gpu"]
-RUN_ON_CPU = ["env", "kernels", "bandwidth", "experts", "layer", "nccl_world1", "two_ranks", "timeline"]
+            "fp8_dispatch", "nccl_world1", "two_ranks", "timeline", "pytest_gpu"]
+RUN_ON_CPU = ["env", "kernels", "bandwidth", "experts", "layer", "fp8_dispatch", "nccl_world1", "two_ranks",
+              "timeline"]
 CUDA_ONLY = ["kernels_int64", "pytest_gpu"]
 
 
