@@ -60,12 +60,13 @@ Run (the link needs root, like benchmarks/overlap.py):
     python benchmarks/wire.py --quick --links none --json /tmp/w.json # smoke run, tiny shapes (~30 s)
 Exit status: 0 when every applicable verdict passes, 1 when one fails, 2 when a worker failed.
 
-Measured here (1gbit link, defaults, 2 shared CPU cores, quiet machine, ~2.5 min): FP8 / fp32 dispatch() 0.312
-(W = 2) and 0.288 (W = 4) against wire bytes 0.258. One copy per rank, dispatch / raw rows+metadata: 1.035
-(W = 2), 1.051 (W = 4); against the rows alone 1.086 and 1.060; the transfer itself (Timeline, issue ->
-arrival) 0.95-1.01 x raw, the rest is layout, control exchange and metadata before the first byte moves.
-Whole call / raw there-and-back 1.16 (W = 2), 1.05 (W = 4). Wire rows per token within 0.3% of the expected
-count; FP8 expert inputs within 0.94 of the element-wise bound, layer output relative error 1.4-4.4%.
+Measured here (1gbit link, 2 shared CPU cores, quiet machine; three runs: defaults twice, then --tokens 4096
+--repeats 3): FP8 / fp32 dispatch() 0.306-0.317 (W = 2) and 0.278-0.288 (W = 4) against wire bytes 0.258.
+One copy per rank, dispatch / raw rows+metadata: 1.035, 1.086, 1.061 (W = 2) and 1.051, 1.136, 0.999 (W = 4);
+the transfer itself (Timeline, issue -> arrival) 0.95-1.09 x raw, the rest is layout, control exchange and
+metadata before the first byte moves. Whole call / plain call 0.28-0.29 (W = 2), 0.47-0.48 (W = 4). Wire rows
+per token within 0.3% of the expected count; FP8 expert inputs within 0.94 of the element-wise bound, layer
+output relative error 1.4-4.4%.
 """
 from __future__ import annotations
 
