@@ -121,6 +121,14 @@ PackedLayout packed_layout(int64_t H, bool ue8m0) {
 // ue8m0 scale 2^(b - 127) from its bits (exact); b = 255 -> NaN.
 inline float ue8m0_scale(uint32_t b) { return float_of((b << 23) | (b == 255 ? 0x400000u : 0u)); }
 
+// A block's scale from its stored bytes: a ue8m0 exponent, or a little-endian float32.
+inline float block_scale(const uint8_t* code, bool ue8m0) {
+  if (ue8m0) return ue8m0_scale(code[0]);
+  uint32_t sbits = 0;
+  for (int k = 0; k < 4; ++k) sbits |= static_cast<uint32_t>(code[k]) << (8 * k);
+  return float_of(sbits);
+}
+
 int64_t grain_rows(int64_t bytes_per_row) {
   return std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, bytes_per_row));  // ~64 KB per task
 }
@@ -193,15 +201,7 @@ __attribute__((always_inline)) inline void dequantize_row_body(const uint8_t* q_
                                                                const PackedLayout& L, const float* lut,
                                                                scalar_t* y_H) {
   for (int64_t j = 0; j < L.n; ++j) {
-    const uint8_t* code = q_B + L.s0 + j * L.sb;
-    float s;
-    if (ue8m0) {
-      s = ue8m0_scale(code[0]);
-    } else {
-      uint32_t sbits = 0;
-      for (int k = 0; k < 4; ++k) sbits |= static_cast<uint32_t>(code[k]) << (8 * k);
-      s = float_of(sbits);
-    }
+    const float s = block_scale(q_B + L.s0 + j * L.sb, ue8m0);
     const int64_t h0 = j * kBlock, len = std::min(kBlock, H - h0);
     for (int64_t i = 0; i < len; ++i) y_H[h0 + i] = from_f32<scalar_t>(lut[q_B[h0 + i]] * s);  // one multiply
   }
@@ -241,15 +241,7 @@ __attribute__((target("avx2"))) void dequantize_row_avx2(const uint8_t* q_B, int
     dequantize_row_body(q_B, H, ue8m0, L, lut, y_H);
   } else {
     for (int64_t j = 0; j < L.n; ++j) {
-      const uint8_t* code = q_B + L.s0 + j * L.sb;
-      float s;
-      if (ue8m0) {
-        s = ue8m0_scale(code[0]);
-      } else {
-        uint32_t sbits = 0;
-        for (int k = 0; k < 4; ++k) sbits |= static_cast<uint32_t>(code[k]) << (8 * k);
-        s = float_of(sbits);
-      }
+      const float s = block_scale(q_B + L.s0 + j * L.sb, ue8m0);
       const __m256 s8 = _mm256_set1_ps(s);
       const int64_t h0 = j * kBlock, len = std::min(kBlock, H - h0);
       int64_t i = 0;

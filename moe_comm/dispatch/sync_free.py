@@ -1,0 +1,106 @@
+"""The sync-free mode of ``Dispatcher.__call__`` (``max_tokens_per_rank``): fixed-size exchanges, no host read
+after the first call. See ``Dispatcher``'s ``max_tokens_per_rank`` for the contract.
+
+Shapes legend: T tokens, H hidden, K top-k, W EP world size, e local experts, M max tokens per rank,
+P = M * K rows per destination rank, N = W * P rows sent.
+"""
+from __future__ import annotations
+
+import torch
+
+from moe_comm import ops
+from moe_comm.comm.wire import HEADER_WORDS, MESSAGE_WORDS, Phase
+from moe_comm.dispatch.dispatcher import check_call_args
+from moe_comm.dispatch.pipeline import run_pipeline
+from moe_comm.dispatch.plan import ChunkPlan, DispatchHandle, padded_expert_major_index
+from moe_comm.dispatch.transport import AllToAll, Local
+from moe_comm.kernels import select_backend
+
+__all__ = ["call_sync_free"]
+
+
+def call_sync_free(d, x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn, local_error=None):
+    """``__call__`` with fixed-size exchanges (see ``max_tokens_per_rank``). Token path: make_layout ->
+    control exchange issued (counts, header) -> pad_layout: rows for rank w at [w*P, w*P + count), P = M*K
+    -> permute into W*P rows -> the pipeline (C = 1) moves all W*P rows each way; the receiver regroups them
+    expert-major with the counts from the exchange, on the device -> unpermute over the padded layout."""
+    W, e, M, agreed = d.world_size, d.num_local_experts, d.max_tokens_per_rank, d._agreed
+
+    def extra_check():
+        check_call_args(x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn)
+        T, H = x_TH.shape
+        if T > M:
+            raise ValueError(f"x_TH has T = {T} tokens, more than max_tokens_per_rank = {M} (sync-free mode sizes "
+                             "every exchange by it)")
+        now_ = (H, x_TH.dtype, topk_idx_TK.shape[1])
+        if agreed is not None and now_ != agreed:
+            raise ValueError(f"sync-free mode: (H, dtype, top_k) must stay as in the first call, {agreed}, got "
+                             f"{now_}; build another Dispatcher for another shape")
+
+    pending, layout = d._open(Phase.FORWARD, x_TH, topk_idx_TK, 1, local_error=local_error, extra_check=extra_check)
+    if layout is None and (W == 1 or agreed is None):
+        d.channel.end(pending)  # raises on every rank
+    if W > 1 and agreed is None:
+        d.channel.end(pending)  # the first call reads once: every rank raises alike on a disagreement
+    elif W > 1:
+        d.channel.wait(pending)  # the counts below are used on the device (NCCL: a stream wait)
+        d.channel.defer(pending)
+    if layout is not None:
+        d._agreed = (x_TH.shape[1], x_TH.dtype, topk_idx_TK.shape[1])
+    H, dtype, K = d._agreed
+    P = M * K  # rows per destination rank: >= T*K, so no routing can overflow it
+    base = HEADER_WORDS + MESSAGE_WORDS
+    counts_We = layout.counts_CWe[0] if W == 1 else pending.recv_WX[:, base:base + e]  # rows per (source, expert)
+    plan = ChunkPlan(chunk=0, call=pending.call, send_We=[[P] + [0] * (e - 1)] * W,
+                     recv_We=[[P] + [0] * (e - 1)] * W, row_offset=0, tokens_per_expert_e=counts_We.sum(0),
+                     counts_e=None)
+    if W > 1 and layout is not None:
+        plan.expert_index_R, plan.source_index_R = padded_expert_major_index(counts_We, P)
+    kind = Local if W == 1 else AllToAll  # equal splits: P rows to and from every rank
+    d.last_transport = kind.name
+    lay = None if layout is None else ops.pad_layout(layout, P)
+    handle = DispatchHandle(layout=lay, chunks=[plan], call=pending.call, hidden_size=H,
+                            transport=d.transport(kind), owner=id(d), slots_sent=-1)
+    keep = isinstance(topk_weight_TK, torch.Tensor) and torch.is_grad_enabled() and topk_weight_TK.requires_grad
+    with d.timeline.compute("permute"):
+        if layout is not None:
+            x_in, wire_NB = _send_rows(d, x_TH, lay)
+        else:  # rejected on this rank: zero rows of the agreed size keep every peer's exchange
+            x_in = torch.empty(0, H, dtype=dtype, device=d.channel.device)
+            width = H if d.dispatch_dtype is None else d._wire_width(H)
+            like = x_in if d.dispatch_dtype is None else x_in.new_empty(0, dtype=torch.uint8)
+            wire_NB = d.workspace.rows("send", W * P, width, like).zero_()
+            if d.dispatch_dtype is None:
+                x_in, wire_NB = wire_NB, None
+    if lay is not None:
+        d._record_bytes(handle, x_TH, None)
+    y_NH, side_out, _ = run_pipeline(d, handle, x_in, expert_fn, side_fn, keep_output=keep,
+                                     failed=pending.local_error, wire_NB=wire_NB)
+    if layout is None:  # rejected here: a zero attached to the call's graph; every rank raises at check()
+        anchor = y_NH.narrow(0, 0, 0).sum()
+        if expert_fn is None:  # from fail(): the caller shapes its own placeholder
+            return anchor
+        if not (isinstance(x_TH, torch.Tensor) and x_TH.dim() == 2 and x_TH.is_floating_point()):
+            raise pending.local_error  # no placeholder of x's shape to return: raised here alone
+        y_TH = x_TH.detach().new_zeros(x_TH.shape) + anchor.to(x_TH.dtype)
+        return y_TH if side_fn is None else (y_TH, torch.zeros_like(y_TH))
+    with d.timeline.compute("unpermute"):
+        y_TH = ops.unpermute(y_NH, lay, topk_weight_TK, backend=d.backend)
+    return y_TH if side_fn is None else (y_TH, side_out)
+
+
+def _send_rows(d, x_TH: torch.Tensor, layout):
+    """The permuted rows of a padded (sync-free) call: (the pipeline's differentiable input, FP8 packed rows
+    or None). Plain: (x_NH, None); FP8: (x_TH, q_NB) - each token quantized once, its packed row copied."""
+    W, N, H = d.world_size, layout.num_rows, x_TH.shape[1]
+    if d.dispatch_dtype is None:
+        out = None if W == 1 else d.workspace.rows("send", N, H, x_TH)
+        return ops.permute(x_TH, layout, backend=d.backend, out=out), None
+    q_TB = ops.quantize_rows(x_TH.detach(), ue8m0=d.dispatch_scales == "ue8m0", backend=d.backend)
+    q_NB = d.workspace.rows("send", N, q_TB.shape[1], q_TB)
+    if layout.num_tokens == 0:  # only a padded layout has rows without tokens: all padding
+        return x_TH, q_NB.zero_()
+    select_backend(d.backend, x_TH.device).permute_rows(q_TB, layout.token_N, out=q_NB)
+    if layout.valid_N is not None:  # padding rows: zero bytes decode to 0
+        q_NB.masked_fill_(~layout.valid_N[:, None], 0)
+    return x_TH, q_NB
