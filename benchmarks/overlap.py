@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
@@ -29,6 +27,7 @@ import moe_comm  # noqa: E402
 from moe_comm.tools.bench import slowest_median, timed  # noqa: E402
 from moe_comm.comm.collectives import all_to_all_v  # noqa: E402
 from moe_comm.tools.launch import run_ranks  # noqa: E402
+from moe_comm.tools.slow_link import run_json_worker  # noqa: E402
 from moe_comm.profiling import overlap_report  # noqa: E402
 
 
@@ -167,21 +166,12 @@ def main(argv=None):
     summaries = []
     for link in a.links.split(","):
         for W in (int(w) for w in a.world_sizes.split(",")):
-            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-                path = f.name
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", f"{W},{path}"] + \
-                (argv if argv is not None else sys.argv[1:])
-            if link == "loopback":
-                rc = subprocess.call(cmd)
-            else:
-                from moe_comm.tools.slow_link import run_on_slow_link
-                rc = run_on_slow_link(cmd, rate=link)
-            if rc != 0:
-                print(f"error: worker for link={link} W={W} exited with {rc}", file=sys.stderr)
+            try:
+                res = run_json_worker(__file__, argv if argv is not None else sys.argv[1:], W, link)
+            except RuntimeError as err:
+                print(f"error: {err}", file=sys.stderr)
                 return 1
-            with open(path) as f:
-                summaries.append(_summarise(json.load(f), link, W))
-            os.unlink(path)
+            summaries.append(_summarise(res, link, W))
     _print(summaries)
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)

@@ -74,9 +74,7 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Dict, List
 
@@ -92,6 +90,7 @@ from moe_comm.comm.collectives import all_to_all_v_async, wait_work  # noqa: E40
 from moe_comm.testing.workloads import uniform  # noqa: E402
 from moe_comm.tools.bench import slowest_median, timed  # noqa: E402
 from moe_comm.tools.launch import run_ranks  # noqa: E402
+from moe_comm.tools.slow_link import run_json_worker  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 GOALS = {  # the limits
@@ -426,22 +425,11 @@ def main(argv=None) -> int:
             if link == "none":  # no namespace to enter: the ranks are spawned from here
                 timing.append(summarise_timing(run_ranks(_rank_main, W, params), link, W))
                 continue
-            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-                path = f.name
-            cmd = [sys.executable, os.path.abspath(__file__), *argv, "--worker", f"{W},{path}"]
             try:
-                from moe_comm.tools.slow_link import run_on_slow_link
-                try:
-                    rc = run_on_slow_link(cmd, rate=link, timeout=a.timeout)
-                except subprocess.TimeoutExpired:
-                    rc = f"a timeout after --timeout {a.timeout:g} s"
-                if rc != 0:
-                    print(f"error: worker for link={link} W={W} exited with {rc}", file=sys.stderr)
-                    return 2
-                with open(path) as f:
-                    timing.append(summarise_timing(json.load(f), link, W))
-            finally:
-                os.unlink(path)
+                timing.append(summarise_timing(run_json_worker(__file__, argv, W, link, timeout=a.timeout), link, W))
+            except RuntimeError as err:
+                print(f"error: {err}", file=sys.stderr)
+                return 2
     out["timing"] = timing
     out["accuracy"] = accuracy(a.acc_tokens, a.hidden, ffn=a.hidden // 2, experts=8, top_k=2)
     out["verdicts"] = {"counting": out["counting"]["verdict"],

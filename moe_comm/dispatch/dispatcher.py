@@ -325,6 +325,14 @@ class Dispatcher:
         """Bytes of one FP8 packed row (payload and scales)."""
         return ops.packed_width(hidden, ue8m0=self.dispatch_scales == "ue8m0")
 
+    def _quantize(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """FP8 dispatch: each token's packed row (no autograd)."""
+        return ops.quantize_rows(x_TH.detach(), ue8m0=self.dispatch_scales == "ue8m0", backend=self.backend)
+
+    def _dequantize(self, q_RB: torch.Tensor, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+        """FP8 dispatch: received packed rows back in the tokens' dtype."""
+        return ops.dequantize_rows(q_RB, hidden, dtype, ue8m0=self.dispatch_scales == "ue8m0", backend=self.backend)
+
     def _presend(self, x_TH: torch.Tensor, layout, fresh: bool) -> torch.Tensor:
         """The rows a call sends, permuted while its control exchange travels; made without autograd (the
         gradient reaches x_TH through the transfer's backward). FP8: the packed rows, each token quantized
@@ -340,7 +348,7 @@ class Dispatcher:
             rows = T * min(K, self.world_size) if lay is not layout else T * K
         src = x_TH.detach().contiguous()
         if self.dispatch_dtype is not None:
-            src = ops.quantize_rows(src, ue8m0=self.dispatch_scales == "ue8m0", backend=self.backend)
+            src = self._quantize(src)
         out = src.new_empty(rows, src.shape[1]) if fresh else self.workspace.rows("send", rows, src.shape[1], src)
         return select_backend(self.backend, x_TH.device).permute_rows(src, lay.token_S[:rows], out=out)
 
@@ -585,8 +593,7 @@ class _DispatchRows(torch.autograd.Function):
         if d.dispatch_dtype is None:
             return rows_RH
         with d.timeline.compute("dequantize"):  # FP8 rows: the gradient passes straight through
-            return ops.dequantize_rows(rows_RH, x_TH.shape[1], x_TH.dtype, ue8m0=d.dispatch_scales == "ue8m0",
-                                       backend=d.backend)
+            return d._dequantize(rows_RH, x_TH.shape[1], x_TH.dtype)
 
     @staticmethod
     def backward(ctx, grad_RH):

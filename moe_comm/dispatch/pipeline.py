@@ -211,8 +211,7 @@ def _forward(run: _Run, src: Tuple[torch.Tensor, ...], x: torch.Tensor) -> torch
         tokens_RH = received[0]
         if d.dispatch_dtype is not None:
             with tl.compute("dequantize", chunk=c):
-                tokens_RH = ops.dequantize_rows(tokens_RH, H, dtype, ue8m0=d.dispatch_scales == "ue8m0",
-                                                backend=d.backend)
+                tokens_RH = d._dequantize(tokens_RH, H, dtype)
         with tl.compute("experts", chunk=c):
             t0 = now(x.device) if run.measure else 0.0
             w_in = None

@@ -96,7 +96,7 @@ def _send_rows(d, x_TH: torch.Tensor, layout):
     if d.dispatch_dtype is None:
         out = None if W == 1 else d.workspace.rows("send", N, H, x_TH)
         return ops.permute(x_TH, layout, backend=d.backend, out=out), None
-    q_TB = ops.quantize_rows(x_TH.detach(), ue8m0=d.dispatch_scales == "ue8m0", backend=d.backend)
+    q_TB = d._quantize(x_TH)
     q_NB = d.workspace.rows("send", N, q_TB.shape[1], q_TB)
     if layout.num_tokens == 0:  # only a padded layout has rows without tokens: all padding
         return x_TH, q_NB.zero_()

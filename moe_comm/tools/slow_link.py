@@ -22,7 +22,7 @@ import subprocess
 import sys
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["run_on_slow_link", "parse_rate", "parse_delay", "link_available", "namespace_exists"]
+__all__ = ["run_on_slow_link", "run_json_worker", "parse_rate", "parse_delay", "link_available", "namespace_exists"]
 
 # tc's rate units (tc(8), "RATES"): bit-based and byte-based ("bps" is BYTES per second in tc).
 _RATE_UNITS: Dict[str, float] = {
@@ -252,3 +252,28 @@ def link_available() -> Tuple[bool, str]:
     finally:
         _delete_namespace(ip, name)
     return True, ""
+
+
+def run_json_worker(script: str, argv: List[str], world_size: int, link: str,
+                    timeout: Optional[float] = None):
+    """A benchmark's worker run: ``python script *argv --worker W,PATH`` on an emulated ``link`` (a rate for
+    ``run_on_slow_link``; "loopback": plain loopback, a subprocess), then the JSON it wrote to PATH.
+    Raises RuntimeError naming the link and W when the worker fails or times out."""
+    import json
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    cmd = [sys.executable, os.path.abspath(script), *argv, "--worker", f"{world_size},{path}"]
+    try:
+        try:
+            rc = subprocess.call(cmd, timeout=timeout) if link == "loopback" else \
+                run_on_slow_link(cmd, rate=link, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = f"a timeout after {timeout:g} s"
+        if rc != 0:
+            raise RuntimeError(f"worker for link={link} W={world_size} exited with {rc}")
+        with open(path) as f:
+            return json.load(f)
+    finally:
+        os.unlink(path)
