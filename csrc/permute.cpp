@@ -880,11 +880,94 @@ std::vector<at::Tensor> make_layout(const at::Tensor& topk_idx_TK, int64_t num_e
   return {dest_row_TK, src_slot_S, counts_CE, num_invalid};
 }
 
+// One row per (token, destination rank), ops.make_rank_rows: the first slot of each (token, rank) pair
+// holds the pair's row; rows sorted by key chunk * W + rank, stable in slot order (make_layout over the W
+// ranks), then every routed slot writes its local expert into its pair's row. Returns (dest_row_TK,
+// src_slot_S, counts_CW, local_idx_SK, slot_pos_TK, slot_counts_CE, num_invalid), equal to the torch
+// reference (layout.rank_rows_reference). Serial, three passes over the S slots.
+// Example (E=4, W=2, C=1): topk_idx_TK = [[0, 1], [3, 0]] -> ranks [[0, 0], [1, 0]], first slots (0,0),
+//   (1,0), (1,1); keys [0, drop, 1, 0] -> rows: slot 0 -> 0, slot 3 -> 1, slot 2 -> 2;
+//   local_idx_SK rows [[0, 1], [-1, 0], [1, -1], ...-1], slot_pos_TK = [[0, 1], [4, 3]]
+std::vector<at::Tensor> make_rank_rows(const at::Tensor& topk_idx_TK, int64_t num_experts, int64_t num_ranks,
+                                       int64_t num_chunks) {
+  check_cpu_contiguous(topk_idx_TK, "topk_idx_TK");
+  TORCH_CHECK(topk_idx_TK.dim() == 2 && topk_idx_TK.scalar_type() == at::kLong, "topk_idx_TK must be [T, K] int64");
+  TORCH_CHECK_VALUE(num_experts >= 1 && num_ranks >= 1 && num_chunks >= 1 && num_experts % num_ranks == 0,
+                    "need num_experts, num_ranks, num_chunks >= 1 and num_ranks | num_experts, got ", num_experts,
+                    ", ", num_ranks, ", ", num_chunks);
+  const int64_t T = topk_idx_TK.size(0), K = topk_idx_TK.size(1), S = T * K;
+  const int64_t E = num_experts, W = num_ranks, C = num_chunks, e = E / W, DROP = C * W;
+  const auto opts = topk_idx_TK.options();
+  at::Tensor dest_row_TK = at::empty({T, K}, opts);
+  at::Tensor src_slot_S = at::empty({S}, opts);
+  at::Tensor counts_CW = at::empty({C, W}, opts);
+  at::Tensor local_idx_SK = at::full({S, K}, -1, opts);
+  at::Tensor slot_pos_TK = at::empty({T, K}, opts);
+  at::Tensor slot_counts_CE = at::zeros({C, E}, opts);
+  at::Tensor num_invalid = at::empty({}, opts);
+
+  const int64_t* idx = topk_idx_TK.const_data_ptr<int64_t>();
+  int64_t* dest = dest_row_TK.data_ptr<int64_t>();  // the key until placement overwrites it
+  int64_t* src = src_slot_S.data_ptr<int64_t>();
+  int64_t* first = slot_pos_TK.data_ptr<int64_t>();  // the first slot of the pair until pass 3 overwrites it
+  int64_t* slot_counts = slot_counts_CE.data_ptr<int64_t>();
+  std::vector<int64_t> offset(DROP + 1, 0);
+  int64_t invalid = 0;
+  for (int64_t t = 0; t < T; ++t) {  // pass 1: each slot's pair (first slot with its rank), keys, histograms
+    const int64_t chunk = std::min(C - 1, (2 * t * (C - 1) + T) / (2 * T));
+    const int64_t* id = idx + t * K;
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t s = t * K + k, g = id[k];
+      const bool valid = g >= 0 && g < E;
+      invalid += (g < -1 || g >= E) ? 1 : 0;
+      int64_t f = k;
+      if (valid) {
+        for (int64_t j = 0; j < k; ++j) {
+          if (id[j] >= 0 && id[j] < E && id[j] / e == g / e) {
+            f = j;
+            break;
+          }
+        }
+        ++slot_counts[chunk * E + g];
+      }
+      first[s] = f;
+      dest[s] = (valid && f == k) ? chunk * W + g / e : DROP;
+      ++offset[dest[s]];
+    }
+  }
+  std::copy(offset.begin(), offset.begin() + DROP, counts_CW.data_ptr<int64_t>());
+  int64_t running = 0;  // exclusive prefix sum: offset[b] = first row of bucket b
+  for (int64_t b = 0; b <= DROP; ++b) {
+    const int64_t c = offset[b];
+    offset[b] = running;
+    running += c;
+  }
+  for (int64_t s = 0; s < S; ++s) {  // pass 2: stable placement in slot order
+    const int64_t key = dest[s];
+    const int64_t d = offset[key]++;
+    src[d] = s;
+    dest[s] = key == DROP ? -1 : d;
+  }
+  int64_t* local = local_idx_SK.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s) {  // pass 3: each routed slot's local expert into its pair's row
+    const int64_t t = s / K, k = s % K, g = idx[s];
+    if (g >= 0 && g < E) {
+      const int64_t pos = dest[t * K + first[s]] * K + k;
+      local[pos] = g % e;
+      first[s] = pos;
+    } else {
+      first[s] = S * K;
+    }
+  }
+  num_invalid.fill_(invalid);
+  return {dest_row_TK, src_slot_S, counts_CW, local_idx_SK, slot_pos_TK, slot_counts_CE, num_invalid};
+}
+
 // quant.cpp: quantize_rows, dequantize_rows and their conversion test hooks.
 void register_quant(pybind11::module_& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "moe_comm C++ CPU kernels: permute_rows, unpermute_rows, unpermute_weight_grad, make_layout, "
+  m.doc() = "moe_comm C++ CPU kernels: permute_rows, unpermute_rows, unpermute_weight_grad, make_layout, make_rank_rows, "
             "FP8 quantize_rows / dequantize_rows, and the output cache the launchers allocate from";
   // The GIL is released: the kernels touch no Python objects, and other Python threads may run meanwhile.
   m.def("permute_rows", &permute_rows, "out_NH[n] = x_TH[token_N[n]] (* scale_N[n])", py::arg("x_TH"),
@@ -896,6 +979,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("grad_TH"), py::arg("y_NH"), py::arg("row_TK"), py::call_guard<py::gil_scoped_release>());
   m.def("make_layout", &make_layout, "counting-sort layout: (dest_row_TK, src_slot_S, counts_CE, num_invalid)",
         py::arg("topk_idx_TK"), py::arg("num_experts"), py::arg("num_chunks"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("make_rank_rows", &make_rank_rows,
+        "one row per (token, rank): (dest_row_TK, src_slot_S, counts_CW, local_idx_SK, slot_pos_TK, slot_counts_CE, "
+        "num_invalid)", py::arg("topk_idx_TK"), py::arg("num_experts"), py::arg("num_ranks"), py::arg("num_chunks"),
         py::call_guard<py::gil_scoped_release>());
   m.def("empty_cached", &empty_cached, "uninitialised contiguous CPU tensor of like's dtype from the output cache",
         py::arg("sizes"), py::arg("like"));

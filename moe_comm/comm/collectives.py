@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import threading
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -60,11 +61,52 @@ def _store():
         return None
 
 
+class _ArrivalWriter:
+    """Writes arrival records to the store from a daemon thread: a TCPStore set is a round trip (0.1-0.3 ms
+    here, longer behind bulk data on a slow link) that would otherwise sit before every transfer. Only the
+    newest record per key is written; a peer reads them after a timeout (seconds), long after they land.
+    TCPStore serialises its client's operations with a lock, so the main thread may use the store meanwhile."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.pending: Dict[str, Tuple[object, str]] = {}
+        self.thread: Optional[threading.Thread] = None
+
+    def put(self, store, key: str, where: str) -> None:
+        with self.cond:
+            self.pending[key] = (store, where)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="moe_comm-arrivals", daemon=True)
+                self.thread.start()
+            self.cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.pending:
+                    self.cond.wait()
+                todo, self.pending = self.pending, {}
+            for key, (store, where) in todo.items():
+                try:
+                    store.set(key, where)
+                except Exception:  # noqa: BLE001 - the store may be gone (rank 0 died); a diagnosis, not a duty
+                    pass
+
+    def reset_after_fork(self) -> None:
+        self.cond, self.pending, self.thread = threading.Condition(), {}, None
+
+
+_ARRIVALS = _ArrivalWriter()
+if hasattr(os, "register_at_fork"):  # a forked child (DataLoader worker) has no writer thread: start afresh
+    os.register_at_fork(after_in_child=_ARRIVALS.reset_after_fork)
+
+
 def record_arrival(group: Optional[dist.ProcessGroup], where: str) -> None:
-    """Note in the group's store that this rank reached ``where`` (read when a peer times out)."""
+    """Note in the group's store that this rank reached ``where`` (read when a peer times out). Written by a
+    background thread: returns at once."""
     store = _store()
     if store is not None and group is not None:
-        store.set(f"moe_comm/arrival/{_group_key(group)}/{dist.get_rank()}", where)
+        _ARRIVALS.put(store, f"moe_comm/arrival/{_group_key(group)}/{dist.get_rank()}", where)
 
 
 def arrivals(group: Optional[dist.ProcessGroup]) -> Dict[int, str]:

@@ -310,15 +310,14 @@ class Dispatcher:
         return DispatchHandle(layout=layout, chunks=chunks, call=pending.call, hidden_size=hidden,
                               transport=self.transport(kind), owner=id(self), rank_rows=rank_rows, slots_sent=slots)
 
-    def _record_bytes(self, handle: DispatchHandle, x_TH: torch.Tensor, meta_NM: Optional[torch.Tensor]) -> None:
+    def _record_bytes(self, handle: DispatchHandle, x_TH: torch.Tensor, meta_bytes: int = 0) -> None:
         """``last_bytes`` of this call (host ints, no sync): logical = routed slots x H x element size, as
         the field counts a dispatch; wire = what this rank hands the all-to-alls (rows, FP8 scales, the
-        metadata of one copy per rank; rows to itself included)."""
+        metadata of one copy per rank, ``meta_bytes`` per row; rows to itself included)."""
         H, es, N = x_TH.shape[1], x_TH.element_size(), handle.layout.num_rows
         row_wire = H * es if self.dispatch_dtype is None else self._wire_width(H)
-        meta = 0 if meta_NM is None else N * meta_NM.shape[1] * meta_NM.element_size()
         logical = handle.slots_sent * H * es if handle.slots_sent >= 0 else -1  # sync-free: not read on the host
-        self.last_bytes = dict(dispatch_logical=logical, dispatch_wire=N * row_wire + meta,
+        self.last_bytes = dict(dispatch_logical=logical, dispatch_wire=N * (row_wire + meta_bytes),
                                combine_logical=logical, combine_wire=N * H * es)
 
     def _wire_width(self, hidden: int) -> int:
@@ -351,15 +350,6 @@ class Dispatcher:
             src = self._quantize(src)
         out = src.new_empty(rows, src.shape[1]) if fresh else self.workspace.rows("send", rows, src.shape[1], src)
         return select_backend(self.backend, x_TH.device).permute_rows(src, lay.token_S[:rows], out=out)
-
-    @staticmethod
-    def _slot_meta(rank_rows, topk_weight_TK: torch.Tensor) -> torch.Tensor:
-        """[T*K, 2K] what travels with each row of one copy per rank (the first N rows are sent): its slots'
-        local expert ids (-1: not on that rank; exact as floats) and weights (0 there), in float32 (float64
-        weights stay float64)."""
-        dtype = torch.float64 if topk_weight_TK.dtype == torch.float64 else torch.float32
-        w_SK = rank_rows.slot_weights(topk_weight_TK.to(dtype))
-        return torch.cat([rank_rows.local_idx_SK.to(dtype), w_SK], 1)
 
     def _exchange_status(self, phase: Phase, handle: DispatchHandle, error: Optional[BaseException] = None,
                          failed: Failure = Failure.NONE, chunk: int = -1, row_bytes: int = -1, dtype: int = -1,
@@ -410,7 +400,7 @@ class Dispatcher:
         if layout is None:
             self.channel.end(pending)  # raises on every rank
         handle = self._close(pending, layout, 1, x_TH.shape[1])
-        self._record_bytes(handle, x_TH, None)
+        self._record_bytes(handle, x_TH)
         plan = handle.chunks[0]
         if send_SH is None:  # one process: the permuted rows are the result
             tokens_RH = ops.permute(x_TH, handle.layout, backend=self.backend)
@@ -513,21 +503,22 @@ class Dispatcher:
             self.channel.end(pending)  # raises on every rank
         with self.timeline.compute("permute"):  # while the control exchange travels
             send_NB = self._presend(x_TH, layout, fresh=self.world_size == 1 and self.dispatch_dtype is None)
-            meta_SM = self._slot_meta(layout, topk_weight_TK) if isinstance(layout, ops.RankRows) else None
         handle = self._close(pending, layout, C, x_TH.shape[1])
         wire_NB = send_NB.narrow(0, 0, handle.layout.num_rows)
-        meta_NM = None if meta_SM is None else meta_SM.narrow(0, 0, handle.layout.num_rows)
-        # y_NH is saved for backward when the weights need grad at this rank's unpermute (not with one copy per
-        # rank: the experts' ranks apply the weights)
-        self._record_bytes(handle, x_TH, meta_NM)
-        keep = torch.is_grad_enabled() and topk_weight_TK.requires_grad and meta_NM is None
+        # one copy per rank: the slot weights travel with the rows (the experts' ranks apply them), in float32
+        # (float64 stays float64); else y_NH is saved for backward when the weights need grad at the unpermute
+        meta_w_TK = None
+        if handle.rank_rows is not None:
+            meta_w_TK = topk_weight_TK.to(torch.float64 if topk_weight_TK.dtype == torch.float64 else torch.float32)
+        self._record_bytes(handle, x_TH, 0 if meta_w_TK is None else 2 * meta_w_TK.shape[1] * meta_w_TK.element_size())
+        keep = torch.is_grad_enabled() and topk_weight_TK.requires_grad and meta_w_TK is None
         y_NH, side_out, expert_s = run_pipeline(self, handle, x_TH, expert_fn, side_fn, measure=measure,
-                                                keep_output=keep, meta_NM=meta_NM, wire_NB=wire_NB)
+                                                keep_output=keep, meta_w_TK=meta_w_TK, wire_NB=wire_NB)
         if measure:
             nbytes = handle.layout.num_rows * x_TH.shape[1] * x_TH.element_size()
             self.auto.make_plan(expert_s, nbytes, chunk_overhead(expert_fn, x_TH, self.num_local_experts))
         with self.timeline.compute("unpermute"):
-            y_TH = ops.unpermute(y_NH, handle.layout, None if meta_NM is not None else topk_weight_TK,
+            y_TH = ops.unpermute(y_NH, handle.layout, None if meta_w_TK is not None else topk_weight_TK,
                                  backend=self.backend)
         if trial:
             self.auto.record_trial(now(x_TH.device) - t_start)

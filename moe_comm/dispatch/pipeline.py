@@ -114,14 +114,17 @@ def _wait(inflight, failure: _Failure, chunk: int, rows: int, like: torch.Tensor
 
 class _PipelinedExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, meta_NM: Optional[torch.Tensor], anchor: Optional[torch.Tensor],
+    def forward(ctx, x: torch.Tensor, meta_w_TK: Optional[torch.Tensor], anchor: Optional[torch.Tensor],
                 run: _Run) -> torch.Tensor:
-        # x: the permuted rows x_NH, or x_TH when run.wire (rows permuted without autograd) is what travels
-        src = (x.contiguous() if run.wire is None else run.wire,) + (() if meta_NM is None else (meta_NM,))
+        # x: the permuted rows x_NH, or x_TH when run.wire (rows permuted without autograd) is what travels.
+        # meta_w_TK: one copy per rank, the slot weights; their [N, 2K] metadata is built once chunk 0's rows
+        # are on their way (off the path to the first byte)
+        src = (x.contiguous() if run.wire is None else run.wire,)
+        if meta_w_TK is not None:
+            src += (lambda: _slot_meta(run.handle.rank_rows, meta_w_TK.detach(), src[0].shape[0]),)
         with run.dispatcher.workspace.dropped_on_error():
             y_NH = _forward(run, src, x)
         ctx.run = run
-        ctx.meta_shape = None if meta_NM is None else (meta_NM.shape, meta_NM.dtype)
         return y_NH
 
     @staticmethod
@@ -146,18 +149,27 @@ class _PipelinedExperts(torch.autograd.Function):
             grad_x = None
         elif run.wire is not None:  # back to the tokens (permute's backward); FP8: straight through the quantization
             grad_x = select_backend(d.backend, grad_x.device).unpermute_rows(grad_x, run.handle.layout.dest_row_TK)
-        grad_meta = None
-        if ctx.meta_shape is not None and ctx.needs_input_grad[1]:
-            shape, dtype = ctx.meta_shape
-            grad_meta = torch.cat([grad_w_NK.new_zeros(shape[0], shape[1] - grad_w_NK.shape[1]), grad_w_NK], 1)
-        return grad_x, grad_meta, None, None
+        grad_w_TK = None
+        if run.meta and ctx.needs_input_grad[1]:  # slot (t, k) sits at row * K + k of grad_w_NK; dropped: 0
+            pos_TK = run.handle.rank_rows.slot_pos_TK
+            flat = torch.cat([grad_w_NK.reshape(-1), grad_w_NK.new_zeros(1)])
+            grad_w_TK = flat[pos_TK.clamp(max=grad_w_NK.numel())]
+        return grad_x, grad_w_TK, None, None
+
+
+def _slot_meta(rank_rows, w_TK: torch.Tensor, rows: int) -> torch.Tensor:
+    """[rows, 2K] what travels with the first ``rows`` rows of one copy per rank: each row's slots' local expert
+    ids (-1: not on that rank; exact as floats) and weights (0 there), in w_TK's dtype."""
+    w_SK = rank_rows.slot_weights(w_TK)
+    return torch.cat([rank_rows.local_idx_SK[:rows].to(w_TK.dtype), w_SK[:rows]], 1)
 
 
 def _schedule(run: _Run, src: Tuple[torch.Tensor, ...], out: Tuple[torch.Tensor, ...], compute,
               phases: Tuple[str, str], direction: str, end: Phase, before=None,
               failed: Optional[BaseException] = None, after=None) -> Tuple[torch.Tensor, ...]:
     """The one chunk schedule, forward and backward: the rows of chunk c of every tensor in ``src`` (sent
-    order, [N, *]) go to the experts' ranks (phases[0]), ``compute(c, received)`` runs there and returns one
+    order, [N, *]; a callable there is called once, after the tensors before it issued chunk 0) go to the
+    experts' ranks (phases[0]), ``compute(c, received)`` runs there and returns one
     tensor per ``out`` tensor, which go back into ``out`` (phases[1]); chunk c+1 travels while chunk c
     computes. ``before()`` runs while chunk 0 travels; ``after(c)`` once chunk c's result is on its way
     back. A failure on this rank keeps the schedule with placeholder rows and is raised on every rank by
@@ -167,12 +179,16 @@ def _schedule(run: _Run, src: Tuple[torch.Tensor, ...], out: Tuple[torch.Tensor,
     transport, chunks = handle.transport, handle.chunks
     failure = _Failure()
     failure.error = failed
-    to_experts, back = [None] * len(chunks), []
+    to_experts, back, src = [None] * len(chunks), [], list(src)
 
     def issue(c: int) -> None:
         p = chunks[c]
-        to_experts[c] = [transport.to_experts(t.narrow(0, p.row_offset, p.num_rows), p, phase=phases[0],
-                                              direction=direction) for t in src]
+        to_experts[c] = []
+        for i, t in enumerate(src):
+            if callable(t):
+                t = src[i] = t()
+            to_experts[c].append(transport.to_experts(t.narrow(0, p.row_offset, p.num_rows), p, phase=phases[0],
+                                                      direction=direction))
 
     issue(0)
     if before is not None:
@@ -281,12 +297,13 @@ def _backward(run: _Run, grad_y_NH: torch.Tensor, failed: Optional[BaseException
 def run_pipeline(dispatcher, handle, x: torch.Tensor, expert_fn: Callable,
                  side_fn: Optional[Callable[[], torch.Tensor]] = None, measure: bool = False,
                  keep_output: bool = True, failed: Optional[BaseException] = None,
-                 meta_NM: Optional[torch.Tensor] = None, wire_NB: Optional[torch.Tensor] = None
+                 meta_w_TK: Optional[torch.Tensor] = None, wire_NB: Optional[torch.Tensor] = None
                  ) -> Tuple[torch.Tensor, Optional[torch.Tensor], float]:
     """Pipelined dispatch -> expert_fn -> combine of the permuted rows ``x`` = x_NH [N, H]. ``failed``: this
     rank's input was rejected; it moves placeholder rows through the whole schedule, then raises ``failed``.
-    ``meta_NM``: [N, 2K] local expert ids (as floats) and slot weights of each row (one copy per rank: the
-    experts' ranks expand each row and return the weighted sum). ``wire_NB``: the rows to send, permuted
+    ``meta_w_TK``: one copy per rank (``handle.rank_rows``): the slot weights [T, K] (float32 or float64); each
+    row travels with its [2K] local expert ids (as floats) and weights, and the experts' ranks expand it and
+    return the weighted sum. ``wire_NB``: the rows to send, permuted
     without autograd (FP8: packed); ``x`` is then x_TH and its gradient comes back through ``handle.layout``.
 
     Returns (y_NH [N, H] combined rows in sent order, side_fn's result or None, expert seconds
@@ -294,9 +311,9 @@ def run_pipeline(dispatcher, handle, x: torch.Tensor, expert_fn: Callable,
     """
     run = _Run(dispatcher=dispatcher, handle=handle, expert_fn=expert_fn, side_fn=side_fn,
                grad_enabled=torch.is_grad_enabled(), measure=measure, keep_output=keep_output, failed=failed,
-               meta=meta_NM is not None, meta_dtype=None if meta_NM is None else meta_NM.dtype, wire=wire_NB)
+               meta=meta_w_TK is not None, meta_dtype=None if meta_w_TK is None else meta_w_TK.dtype, wire=wire_NB)
     # The anchor makes the output require grad whenever grad mode is on, so backward runs (and the
     # experts get their gradients) even when x itself needs none, e.g. the first layer's input.
     anchor = torch.empty(0, device=x.device, requires_grad=True) if run.grad_enabled else None
-    y_NH = _PipelinedExperts.apply(x, meta_NM, anchor, run)
+    y_NH = _PipelinedExperts.apply(x, meta_w_TK, anchor, run)
     return y_NH, run.side_out, run.expert_s

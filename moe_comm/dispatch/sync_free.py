@@ -73,7 +73,7 @@ def call_sync_free(d, x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn, loc
             if d.dispatch_dtype is None:
                 x_in, wire_NB = wire_NB, None
     if lay is not None:
-        d._record_bytes(handle, x_TH, None)
+        d._record_bytes(handle, x_TH)
     y_NH, side_out, _ = run_pipeline(d, handle, x_in, expert_fn, side_fn, keep_output=keep,
                                      failed=pending.local_error, wire_NB=wire_NB)
     if layout is None:  # rejected here: a zero attached to the call's graph; every rank raises at check()

@@ -8,9 +8,9 @@ Layers: ``csrc/permute.cpp`` holds the kernels; the launchers here validate argu
 contiguous, cast weights and scales to the accumulation dtype and allocate outputs; the autograd layer is
 ``moe_comm.ops``.
 Semantics are those of ``reference.py`` and ``moe_comm.ops.layout.layout_reference``: permute and
-unpermute are bit-identical to the reference (for finite rows), ``make_layout`` is exactly equal,
-``quantize_rows`` / ``dequantize_rows`` (FP8) are bit-identical to the reference (packed bytes, and the
-dequantized rows except NaN payload bits in bfloat16 / float16 outputs).
+unpermute are bit-identical to the reference (for finite rows), ``make_layout`` and ``make_rank_rows`` are
+exactly equal, ``quantize_rows`` / ``dequantize_rows`` (FP8) are bit-identical to the reference (packed bytes,
+and the dequantized rows except NaN payload bits in bfloat16 / float16 outputs).
 
 Fresh outputs (no ``out=``, and the staging buffer of a non-contiguous ``out``) come from the extension's
 output cache: freed blocks of 1 MiB and more are kept (up to ``set_output_cache_limit``, default 256 MiB idle)
@@ -37,7 +37,7 @@ import torch
 from moe_comm._checks import check_int, check_out, check_tensor
 from moe_comm.kernels.reference import acc_dtype, check_dequantize_args, check_quantize_args
 
-__all__ = ["available", "permute_rows", "unpermute_rows", "unpermute_weight_grad", "make_layout",
+__all__ = ["available", "permute_rows", "unpermute_rows", "unpermute_weight_grad", "make_layout", "make_rank_rows",
            "quantize_rows", "dequantize_rows", "output_cache_stats", "set_output_cache_limit"]
 
 _CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
@@ -259,6 +259,19 @@ def make_layout(topk_idx_TK: torch.Tensor, num_experts: int, num_chunks: int = 1
     check_int("num_chunks", num_chunks, 1)
     dest_row_TK, src_slot_S, counts_CE, num_invalid = _ext().make_layout(topk_idx_TK, num_experts, num_chunks)
     return dest_row_TK, src_slot_S, counts_CE, num_invalid
+
+
+def make_rank_rows(topk_idx_TK: torch.Tensor, num_experts: int, num_ranks: int, num_chunks: int = 1):
+    """One row per (token, destination rank), equal to ``moe_comm.ops.layout.rank_rows_reference``:
+    ``(dest_row_TK, src_slot_S, counts_CW, local_idx_SK, slot_pos_TK, slot_counts_CE, num_invalid)``
+    (see ``moe_comm.ops.make_rank_rows``)."""
+    topk_idx_TK = _index("topk_idx_TK", topk_idx_TK, 2)
+    check_int("num_experts", num_experts, 1)
+    check_int("num_ranks", num_ranks, 1)
+    check_int("num_chunks", num_chunks, 1)
+    if num_experts % num_ranks:
+        raise ValueError(f"num_experts ({num_experts}) must be divisible by num_ranks, got num_ranks={num_ranks}")
+    return tuple(_ext().make_rank_rows(topk_idx_TK, num_experts, num_ranks, num_chunks))
 
 
 def quantize_rows(x_TH: torch.Tensor, ue8m0: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:

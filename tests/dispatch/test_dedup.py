@@ -13,6 +13,7 @@ import torch
 
 import moe_comm
 from moe_comm import ops
+from moe_comm.kernels import native
 
 H = 10
 
@@ -29,13 +30,16 @@ def _pairs(idx, E, W):
 
 @pytest.mark.parametrize("T,K,E,W,C", [(0, 2, 4, 2, 1), (1, 1, 4, 4, 1), (9, 2, 8, 2, 1), (13, 4, 8, 2, 3),
                                        (20, 3, 12, 4, 4), (6, 4, 4, 1, 2)])
-def test_rank_rows_one_row_per_token_and_rank(T, K, E, W, C):
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_rank_rows_one_row_per_token_and_rank(T, K, E, W, C, backend):
+    if backend == "native" and not native.available():
+        pytest.skip("C++ kernels not built")
     g = torch.Generator().manual_seed(T * 7 + K)
     idx = torch.rand(T, E, generator=g).argsort(1)[:, :K]
     if T:
         idx[torch.rand(T, K, generator=g) < 0.2] = -1
         idx[0, 0] = E + 3  # invalid: counted, treated as dropped
-    rows = ops.make_rank_rows(idx, E, num_ranks=W, num_chunks=C)
+    rows = ops.make_rank_rows(idx, E, num_ranks=W, num_chunks=C, backend=backend)
     pairs = _pairs(idx, E, W)
     lay = rows.layout
     N = lay.num_rows
@@ -61,6 +65,24 @@ def test_rank_rows_one_row_per_token_and_rank(T, K, E, W, C):
     per_token = ops.unpermute(ones, lay)
     for t in range(T):
         assert float(per_token[t]) == sum(1 for (tt, _) in pairs if tt == t)
+
+
+@pytest.mark.parametrize("T,K,E,W,C", [(0, 3, 8, 2, 1), (1024, 8, 16, 2, 1), (777, 6, 32, 8, 5), (50, 8, 8, 8, 2)])
+def test_rank_rows_native_equals_reference(T, K, E, W, C):
+    """The C++ kernel against the torch ops, every output exactly, with dropped and invalid ids."""
+    if not native.available():
+        pytest.skip("C++ kernels not built")
+    g = torch.Generator().manual_seed(T + K + E)
+    idx = torch.rand(T, E, generator=g).argsort(1)[:, :K]
+    if T:
+        idx[torch.rand(T, K, generator=g) < 0.1] = -1
+        idx[torch.rand(T, K, generator=g) < 0.02] = -5  # invalid
+        idx[0, -1] = E  # invalid
+    got = native.make_rank_rows(idx, E, W, C)
+    want = ops.layout.rank_rows_reference(idx, E, W, C)
+    assert len(got) == len(want) == 7
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype == torch.int64 and a.shape == b.shape and torch.equal(a, b)
 
 
 def test_rank_rows_weights_are_differentiable():
