@@ -279,10 +279,16 @@ def _backward(run: _Run, grad_y_NH: torch.Tensor, failed: Optional[BaseException
                 return (g_in.to(grad_y_NH.dtype),)
             return g_in.to(grad_y_NH.dtype), (w_in.grad if w_in.grad is not None else torch.zeros_like(w_in))
 
+    sums = _wgrad.GradSums()  # every chunk's weight gradients, into .grad once after the last chunk
+
     def experts_weight_grads(c: int) -> None:
-        if c in weight_grads:
+        last = c == len(run.handle.chunks) - 1
+        if c in weight_grads or last:
             with tl.compute("experts_wgrad", chunk=c, direction="bwd"):
-                weight_grads.pop(c).run()
+                if c in weight_grads:
+                    weight_grads.pop(c).run(sums)
+                if last:  # while the last input gradient travels
+                    sums.flush()
 
     N = grad_y_NH.shape[0]
     out = (torch.empty_like(grad_y_NH),)

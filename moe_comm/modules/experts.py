@@ -296,13 +296,24 @@ class _LoopSwiGLU(torch.autograd.Function):
             start += n
             k += 1
 
-        def weight_grads():
-            gw1, gw3, gw2 = torch.zeros_like(w1), torch.zeros_like(w3), torch.zeros_like(w2)
+        def weight_grads(into=None):
+            # into: (gw1, gw3, gw2) sums of earlier chunks (_wgrad.GradSums): added to by the GEMMs themselves
+            if into is None:
+                gw1, gw3, gw2 = torch.zeros_like(w1), torch.zeros_like(w3), torch.zeros_like(w2)
+            else:
+                gw1, gw3, gw2 = into
             for i, x, g, gh1, gh3, act in parts:
-                torch.mm(g.t(), act, out=gw2[i])             # [H, F]
-                torch.mm(gh1.t(), x, out=gw1[i])             # [F, H]
-                torch.mm(gh3.t(), x, out=gw3[i])
+                if into is None:
+                    torch.mm(g.t(), act, out=gw2[i])         # [H, F]
+                    torch.mm(gh1.t(), x, out=gw1[i])         # [F, H]
+                    torch.mm(gh3.t(), x, out=gw3[i])
+                else:
+                    gw2[i].addmm_(g.t(), act)
+                    gw1[i].addmm_(gh1.t(), x)
+                    gw3[i].addmm_(gh3.t(), x)
             return gw1, gw3, gw2
+
+        weight_grads.accumulates = True
 
         return _input_then_weight_grads(gx, weight_grads, ctx.weights) + (None,)
 
