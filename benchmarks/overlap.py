@@ -1,13 +1,19 @@
 """Overlap benchmark: forward+backward of one MoE layer for C = 1, 2, 4, 8 and auto, on 2 and 4 gloo
-ranks, on plain loopback and on an emulated 1 Gbit/s link (a shaped network namespace), in one run.
+ranks, on plain loopback and on an emulated 1 Gbit/s link (a shaped network namespace), in one run;
+``--ffn`` takes a comma list to vary the comm/compute ratio (one worker run per value).
 
 For every point: median step time, the timeline's T_compute / T_comm / hidden / exposed, and the ideal
 max(T_compute, T_comm) measured separately (the bare expert GEMMs forward+backward on the same rows;
 the raw all-to-alls of the same bytes and splits). Wall-clock hidden estimate:
 (T_serial - T_pipelined) / min(T_comm, T_compute), T_serial = the C = 1 step.
 
+Goals (the overlap issue; ratios within one run), judged per (link, W, ffn) on the emulated link:
+best fixed C step <= 1.15 x max(bare GEMMs, raw a2a); C = 1 step <= 1.10 x (bare GEMMs + raw a2a); the
+timeline's compute lane at the best C <= 1.10 x bare GEMMs; auto <= 1.05 x the best fixed C.
+
     python benchmarks/overlap.py --json results/overlap.json
     python benchmarks/overlap.py --links loopback --world-sizes 2      # quick
+    python benchmarks/overlap.py --links 1gbit --tokens 1024 --hidden 512 --experts 8 --ffn 256,512,1024,2048
 """
 from __future__ import annotations
 
@@ -98,7 +104,10 @@ def _rank_main(rank, world_size, a):
     return out
 
 
-def _summarise(res, link, world_size):
+GOALS = {"best_over_max": 1.15, "c1_over_sum": 1.10, "compute_lane_over_bare": 1.10, "auto_over_best": 1.05}
+
+
+def _summarise(res, link, world_size, ffn):
     pts = res["points"]
     serial = next(p for p in pts if p["C"] == 1)["step_s"]
     fixed = [p for p in pts if p["C"] != "auto"]
@@ -109,10 +118,17 @@ def _summarise(res, link, world_size):
         p["vs_ideal"] = p["step_s"] / ideal
         p["wallclock_hidden_fraction"] = (serial - p["step_s"]) / lo if lo > 0 else 0.0
     auto = next((p for p in pts if p["C"] == "auto"), None)
-    return {"link": link, "world_size": world_size, "bare_gemm_s": res["bare_gemm_s"], "raw_a2a_s": res["raw_a2a_s"],
-            "ideal_s": ideal, "comm_over_compute": res["raw_a2a_s"] / res["bare_gemm_s"], "best_C": best["C"],
-            "best_step_s": best["step_s"], "auto_vs_best": auto["step_s"] / best["step_s"] if auto else None,
-            "points": pts}
+    ratios = {"best_over_max": best["step_s"] / ideal,
+              "c1_over_sum": serial / (res["bare_gemm_s"] + res["raw_a2a_s"]),
+              "compute_lane_over_bare": best["T_compute_s"] / res["bare_gemm_s"]}
+    if auto:
+        ratios["auto_over_best"] = auto["step_s"] / best["step_s"]
+    verdicts = {k: {"measured": v, "limit": GOALS[k], "pass": v <= GOALS[k], "applies": link != "loopback"}
+                for k, v in ratios.items()}
+    return {"link": link, "world_size": world_size, "ffn": ffn, "bare_gemm_s": res["bare_gemm_s"],
+            "raw_a2a_s": res["raw_a2a_s"], "ideal_s": ideal, "comm_over_compute": res["raw_a2a_s"] / res["bare_gemm_s"],
+            "best_C": best["C"], "best_step_s": best["step_s"],
+            "auto_vs_best": auto["step_s"] / best["step_s"] if auto else None, "points": pts, "verdicts": verdicts}
 
 
 def _print(summaries):
@@ -120,18 +136,26 @@ def _print(summaries):
     from rich.table import Table
 
     t = Table(title="MoE layer fwd+bwd: pipelined chunks vs the ideal max(T_compute, T_comm)")
-    for col in ("link", "W", "C", "transport", "step ms", "ideal ms", "step/ideal", "T_comp ms", "T_comm ms",
+    for col in ("link", "W", "ffn", "C", "transport", "step ms", "ideal ms", "step/ideal", "T_comp ms", "T_comm ms",
                 "hidden ms", "exposed ms", "tl overlap", "wall overlap"):
         t.add_column(col, justify="right")
     for s in summaries:
         for p in s["points"]:
             c = f"auto->{p['chosen_C']}" if p["C"] == "auto" else str(p["C"])
-            t.add_row(s["link"], str(s["world_size"]), c, p.get("transport", ""), f"{p['step_s'] * 1e3:.1f}",
-                      f"{s['ideal_s'] * 1e3:.1f}",
+            t.add_row(s["link"], str(s["world_size"]), str(s["ffn"]), c, p.get("transport", ""),
+                      f"{p['step_s'] * 1e3:.1f}", f"{s['ideal_s'] * 1e3:.1f}",
                       f"{p['vs_ideal']:.2f}", f"{p['T_compute_s'] * 1e3:.1f}", f"{p['T_comm_s'] * 1e3:.1f}",
                       f"{p['hidden_s'] * 1e3:.1f}", f"{p['exposed_s'] * 1e3:.1f}",
                       f"{p['timeline_overlap_fraction']:.0%}", f"{p['wallclock_hidden_fraction']:.0%}")
     Console(width=200).print(t)
+    g = Table(title="Goals (ratios within one run; judged on an emulated link, not on loopback)")
+    for col in ("link", "W", "ffn", "comm/compute", *(f"{k} (<= {v})" for k, v in GOALS.items())):
+        g.add_column(col, justify="right")
+    for s in summaries:
+        v = s["verdicts"]
+        g.add_row(s["link"], str(s["world_size"]), str(s["ffn"]), f"{s['comm_over_compute']:.2f}",
+                  *(f"{v[k]['measured']:.2f} {'ok' if v[k]['pass'] else 'MISS'}" if k in v else "-" for k in GOALS))
+    Console(width=200).print(g)
     for s in summaries:
         print(f"{s['link']:>8} W={s['world_size']}: bare GEMMs {s['bare_gemm_s'] * 1e3:.1f} ms, raw a2a "
               f"{s['raw_a2a_s'] * 1e3:.1f} ms (comm/compute {s['comm_over_compute']:.2f}); best C={s['best_C']}"
@@ -146,7 +170,7 @@ def main(argv=None):
     p.add_argument("--chunks", default="1,2,4,8,auto")
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--ffn", type=int, default=256)
+    p.add_argument("--ffn", default="256", help="F, or a comma list of F (one run each: comm/compute varies)")
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--warmup", type=int, default=2)
@@ -154,7 +178,8 @@ def main(argv=None):
     p.add_argument("--json", default=None)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: W,outfile
     a = p.parse_args(argv)
-    params = {"tokens": a.tokens, "hidden": a.hidden, "ffn": a.ffn, "experts": a.experts, "top_k": a.top_k,
+    ffns = [int(f) for f in a.ffn.split(",")]
+    params = {"tokens": a.tokens, "hidden": a.hidden, "ffn": ffns[0], "experts": a.experts, "top_k": a.top_k,
               "warmup": a.warmup, "repeats": a.repeats,
               "chunks": [c if c == "auto" else int(c) for c in a.chunks.split(",")]}
     if a.worker:
@@ -164,19 +189,21 @@ def main(argv=None):
             json.dump(res, f)
         return 0
     summaries = []
+    argv = list(argv if argv is not None else sys.argv[1:])
     for link in a.links.split(","):
         for W in (int(w) for w in a.world_sizes.split(",")):
-            try:
-                res = run_json_worker(__file__, argv if argv is not None else sys.argv[1:], W, link)
-            except RuntimeError as err:
-                print(f"error: {err}", file=sys.stderr)
-                return 1
-            summaries.append(_summarise(res, link, W))
+            for ffn in ffns:
+                try:
+                    res = run_json_worker(__file__, argv + ["--ffn", str(ffn)], W, link)
+                except RuntimeError as err:
+                    print(f"error: {err}", file=sys.stderr)
+                    return 1
+                summaries.append(_summarise(res, link, W, ffn))
     _print(summaries)
     if a.json:
         os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
         with open(a.json, "w") as f:
-            json.dump({"params": params, "results": summaries}, f, indent=2)
+            json.dump({"params": {**params, "ffn": ffns}, "results": summaries}, f, indent=2)
     return 0
 
 
