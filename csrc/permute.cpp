@@ -826,6 +826,18 @@ at::Tensor unpermute_weight_grad(const at::Tensor& grad_TH, const at::Tensor& y_
   return g_TK;
 }
 
+namespace {
+// counts -> offsets in place: {2, 0, 3} -> {0, 2, 2}
+void exclusive_prefix_sum(std::vector<int64_t>& v) {
+  int64_t running = 0;
+  for (auto& x : v) {
+    const int64_t c = x;
+    x = running;
+    running += c;
+  }
+}
+}  // namespace
+
 // Counting sort of the slots by key = chunk * E + expert (dropped and invalid slots: key C*E, last):
 // histogram of keys, exclusive prefix sum, then stable placement in slot order s = t*K + k.
 // Chunk of token t is min(C-1, (2t(C-1) + T) / 2T): first and last chunk half-size (layout.py). Returns (dest_row_TK, src_slot_S, counts_CE, num_invalid), equal to
@@ -864,12 +876,7 @@ std::vector<at::Tensor> make_layout(const at::Tensor& topk_idx_TK, int64_t num_e
   }
   int64_t* counts = counts_CE.data_ptr<int64_t>();
   std::copy(offset.begin(), offset.begin() + C * E, counts);
-  int64_t running = 0;  // pass 2: exclusive prefix sum, offset[b] = first row of bucket b
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t c = offset[b];
-    offset[b] = running;
-    running += c;
-  }
+  exclusive_prefix_sum(offset);  // pass 2: offset[b] = first row of bucket b
   for (int64_t s = 0; s < S; ++s) {  // pass 3: stable placement in slot order
     const int64_t key = dest[s];
     const int64_t d = offset[key]++;
@@ -936,12 +943,7 @@ std::vector<at::Tensor> make_rank_rows(const at::Tensor& topk_idx_TK, int64_t nu
     }
   }
   std::copy(offset.begin(), offset.begin() + DROP, counts_CW.data_ptr<int64_t>());
-  int64_t running = 0;  // exclusive prefix sum: offset[b] = first row of bucket b
-  for (int64_t b = 0; b <= DROP; ++b) {
-    const int64_t c = offset[b];
-    offset[b] = running;
-    running += c;
-  }
+  exclusive_prefix_sum(offset);  // offset[b] = first row of bucket b
   for (int64_t s = 0; s < S; ++s) {  // pass 2: stable placement in slot order
     const int64_t key = dest[s];
     const int64_t d = offset[key]++;

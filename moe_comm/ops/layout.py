@@ -121,6 +121,17 @@ def layout_reference(topk_idx_TK: torch.Tensor, num_experts: int, num_chunks: in
     return rearrange(dest_S, "(t k) -> t k", t=T, k=K), src_slot_S, counts_CE, num_invalid
 
 
+def _checked_args(topk_idx_TK, num_experts, num_ranks: int, num_chunks: int) -> torch.Tensor:
+    """The checks of ``make_layout`` / ``make_rank_rows``; returns the ids as contiguous int64."""
+    check_tensor("topk_idx_TK", topk_idx_TK, dim=2, integer=True)
+    check_int("num_experts", num_experts, 1)
+    check_int("num_ranks", num_ranks, 1)
+    check_int("num_chunks", num_chunks, 1)
+    if num_experts % num_ranks:
+        raise ValueError(f"num_experts ({num_experts}) must be divisible by num_ranks, got num_ranks={num_ranks}")
+    return topk_idx_TK.to(torch.int64).contiguous()
+
+
 def make_layout(topk_idx_TK: torch.Tensor, num_experts: int, *, num_ranks: int = 1, num_chunks: int = 1,
                 backend: str = "auto") -> Layout:
     """Counts and permutation map for ``topk_idx_TK``; no host sync.
@@ -137,13 +148,7 @@ def make_layout(topk_idx_TK: torch.Tensor, num_experts: int, *, num_ranks: int =
         make_layout([[1, 0], [0, -1]], num_experts=2)
         -> dest_row_TK [[2, 0], [1, -1]], counts_CWe [[[2, 1]]], 3 routed rows
     """
-    check_tensor("topk_idx_TK", topk_idx_TK, dim=2, integer=True)
-    topk_idx_TK = topk_idx_TK.to(torch.int64).contiguous()
-    check_int("num_experts", num_experts, 1)
-    check_int("num_ranks", num_ranks, 1)
-    check_int("num_chunks", num_chunks, 1)
-    if num_experts % num_ranks:
-        raise ValueError(f"num_experts ({num_experts}) must be divisible by num_ranks, got num_ranks={num_ranks}")
+    topk_idx_TK = _checked_args(topk_idx_TK, num_experts, num_ranks, num_chunks)
     from moe_comm.kernels import select_backend
     impl = select_backend(backend, topk_idx_TK.device)
     layout_fn = getattr(impl, "make_layout", None) or layout_reference
@@ -263,13 +268,7 @@ def make_rank_rows(topk_idx_TK: torch.Tensor, num_experts: int, *, num_ranks: in
         token 0: experts 0, 1 both on rank 0 -> one row; token 1: ranks 1 and 0 -> two rows
         rows (rank 0: token 0, token 1 | rank 1: token 1), local_idx = [[0, 1], [-1, 0] | [1, -1]]
     """
-    check_tensor("topk_idx_TK", topk_idx_TK, dim=2, integer=True)
-    idx_TK = topk_idx_TK.to(torch.int64).contiguous()
-    check_int("num_experts", num_experts, 1)
-    check_int("num_ranks", num_ranks, 1)
-    check_int("num_chunks", num_chunks, 1)
-    if num_experts % num_ranks:
-        raise ValueError(f"num_experts ({num_experts}) must be divisible by num_ranks, got num_ranks={num_ranks}")
+    idx_TK = _checked_args(topk_idx_TK, num_experts, num_ranks, num_chunks)
     from moe_comm.kernels import select_backend
     impl = select_backend(backend, idx_TK.device)
     fn = getattr(impl, "make_rank_rows", None) or rank_rows_reference
