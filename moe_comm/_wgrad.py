@@ -57,7 +57,8 @@ class GradSums:
     """The weight gradients of the chunks of one backward, summed before autograd sees them.
 
     The first chunk's gradients become the sums; a later chunk's closure with ``accumulates = True`` is called
-    with ``into=sums`` and adds with its GEMMs (addmm_), any other closure's result is added. Per chunk after
+    with ``into=sums`` and adds with its GEMMs (addmm_), any other closure's result is added. A chunk whose
+    inputs differ from the last one's (under autocast every chunk casts the weights anew) flushes first. Per chunk after
     the first this saves the zero-filled gradient buffers and autograd's accumulation into ``.grad`` (here,
     e = 4, H = F = 512 fp32: 12 MiB each, ~3 passes of memory traffic per chunk). The totals round like any
     other summation order: equal to chunk-by-chunk accumulation to float rounding, not bit for bit.
@@ -71,6 +72,9 @@ class GradSums:
         key = tuple(id(t) for t in inputs)
         entry = self.entries.get(key)
         if entry is None:
+            # other inputs than the last chunk's (autocast casts the weights anew every chunk): hand the earlier
+            # sums to autograd now, so at most one chunk's gradients are held
+            self.flush()
             self.entries[key] = (tuple(inputs), list(compute()))
             return
         sums = entry[1]
