@@ -32,8 +32,7 @@ sys.path.insert(0, ROOT)
 import moe_comm  # noqa: E402
 from moe_comm.tools.bench import slowest_median, timed  # noqa: E402
 from moe_comm.comm.collectives import all_to_all_v  # noqa: E402
-from moe_comm.tools.launch import run_ranks  # noqa: E402
-from moe_comm.tools.slow_link import run_json_worker  # noqa: E402
+from moe_comm.tools.slow_link import json_worker_main, run_json_worker  # noqa: E402
 from moe_comm.profiling import overlap_report  # noqa: E402
 
 
@@ -131,6 +130,11 @@ def _summarise(res, link, world_size, ffn):
             "auto_vs_best": auto["step_s"] / best["step_s"] if auto else None, "points": pts, "verdicts": verdicts}
 
 
+def _verdict(v) -> str:
+    word = "ok" if v["pass"] else "MISS"
+    return f"{v['measured']:.2f} {word if v['applies'] else f'(n/a: {word.lower()})'}"
+
+
 def _print(summaries):
     from rich.console import Console
     from rich.table import Table
@@ -154,7 +158,7 @@ def _print(summaries):
     for s in summaries:
         v = s["verdicts"]
         g.add_row(s["link"], str(s["world_size"]), str(s["ffn"]), f"{s['comm_over_compute']:.2f}",
-                  *(f"{v[k]['measured']:.2f} {'ok' if v[k]['pass'] else 'MISS'}" if k in v else "-" for k in GOALS))
+                  *(_verdict(v[k]) if k in v else "-" for k in GOALS))
     Console(width=200).print(g)
     for s in summaries:
         print(f"{s['link']:>8} W={s['world_size']}: bare GEMMs {s['bare_gemm_s'] * 1e3:.1f} ms, raw a2a "
@@ -183,11 +187,7 @@ def main(argv=None):
               "warmup": a.warmup, "repeats": a.repeats,
               "chunks": [c if c == "auto" else int(c) for c in a.chunks.split(",")]}
     if a.worker:
-        W, path = a.worker.split(",", 1)
-        res = run_ranks(_rank_main, int(W), params)
-        with open(path, "w") as f:
-            json.dump(res, f)
-        return 0
+        return json_worker_main(a.worker, _rank_main, params)
     summaries = []
     argv = list(argv if argv is not None else sys.argv[1:])
     for link in a.links.split(","):

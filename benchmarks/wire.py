@@ -95,7 +95,7 @@ from moe_comm.comm.collectives import all_to_all_v_async, wait_work  # noqa: E40
 from moe_comm.testing.workloads import uniform  # noqa: E402
 from moe_comm.tools.bench import slowest_median, timed  # noqa: E402
 from moe_comm.tools.launch import run_ranks  # noqa: E402
-from moe_comm.tools.slow_link import run_json_worker  # noqa: E402
+from moe_comm.tools.slow_link import json_worker_main, run_json_worker  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 GOALS = {  # the limits
@@ -446,18 +446,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     a = parse_args(argv)
-    params = {"tokens": a.tokens, "hidden": a.hidden, "top_k": a.top_k, "experts_per_rank": a.experts_per_rank,
-              "repeats": a.repeats, "warmup": a.warmup, "dedup_tokens": a.dedup_tokens, "dedup_only": a.dedup_only}
+    # the dedup-only worker runs at --dedup-tokens (--quick sets both sizes after parsing)
+    params = {"tokens": a.dedup_tokens if a.dedup_only else a.tokens, "hidden": a.hidden, "top_k": a.top_k,
+              "experts_per_rank": a.experts_per_rank, "repeats": a.repeats, "warmup": a.warmup,
+              "dedup_tokens": a.dedup_tokens, "dedup_only": a.dedup_only}
     if a.worker:
-        W, path = a.worker.split(",", 1)
-        res = run_ranks(_rank_main, int(W), params)
-        with open(path, "w") as f:
-            json.dump(res, f)
-        return 0
+        return json_worker_main(a.worker, _rank_main, params)
     out = {"params": {**params, "links": a.links, "world_sizes": a.world_sizes, "quick": a.quick}}
     out["counting"] = count_rows([int(w) for w in a.count_world_sizes.split(",")], a.count_tokens)
     timing, at_scale = [], []
-    scale_argv = [*argv, "--tokens", str(a.dedup_tokens), "--dedup-only"]
+    scale_argv = [*argv, "--dedup-only"]
     for link in a.links.split(","):
         for W in (int(w) for w in a.world_sizes.split(",")):
             if a.top_k > a.experts_per_rank * W:

@@ -58,10 +58,10 @@ class GradSums:
 
     The first chunk's gradients become the sums; a later chunk's closure with ``accumulates = True`` is called
     with ``into=sums`` and adds with its GEMMs (addmm_), any other closure's result is added. A chunk whose
-    inputs differ from the last one's (under autocast every chunk casts the weights anew) flushes first. Per chunk after
-    the first this saves the zero-filled gradient buffers and autograd's accumulation into ``.grad`` (here,
-    e = 4, H = F = 512 fp32: 12 MiB each, ~3 passes of memory traffic per chunk). The totals round like any
-    other summation order: equal to chunk-by-chunk accumulation to float rounding, not bit for bit.
+    inputs differ from the last one's (under autocast every chunk casts the weights anew) flushes first. Per
+    chunk after the first this saves the zero-filled gradient buffers and autograd's accumulation into
+    ``.grad`` (here, e = 4, H = F = 512 fp32: 12 MiB each, ~3 passes of memory traffic per chunk). The totals
+    round like any other summation order: equal to chunk-by-chunk accumulation to float rounding.
     """
 
     def __init__(self):

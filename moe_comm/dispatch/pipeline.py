@@ -119,9 +119,10 @@ class _PipelinedExperts(torch.autograd.Function):
         # x: the permuted rows x_NH, or x_TH when run.wire (rows permuted without autograd) is what travels.
         # meta_w_TK: one copy per rank, the slot weights; their [N, 2K] metadata is built once chunk 0's rows
         # are on their way (off the path to the first byte)
-        src = (x.contiguous() if run.wire is None else run.wire,)
+        rows = x.contiguous() if run.wire is None else run.wire
+        src = (rows,)
         if meta_w_TK is not None:
-            src += (lambda: _slot_meta(run.handle.rank_rows, meta_w_TK.detach(), src[0].shape[0]),)
+            src += (lambda: _slot_meta(run.handle.rank_rows, meta_w_TK.detach(), rows.shape[0]),)
         with run.dispatcher.workspace.dropped_on_error():
             y_NH = _forward(run, src, x)
         ctx.run = run

@@ -231,10 +231,9 @@ class RankRows:
         return flat[: S * K].view(S, K)
 
 
-def rank_rows_reference(topk_idx_TK: torch.Tensor, num_experts: int, num_ranks: int, num_chunks: int = 1):
+def rank_rows_reference(idx_TK: torch.Tensor, num_experts: int, num_ranks: int, num_chunks: int = 1):
     """Pure-torch ``make_rank_rows``: (dest_row_TK, src_slot_S, counts_CW, local_idx_SK, slot_pos_TK,
     slot_counts_CE, num_invalid), the first three those of a layout whose "experts" are the W ranks."""
-    idx_TK = topk_idx_TK
     T, K = idx_TK.shape
     E, W, C, e = num_experts, num_ranks, num_chunks, num_experts // num_ranks
     S, dev = T * K, idx_TK.device

@@ -22,7 +22,8 @@ import subprocess
 import sys
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["run_on_slow_link", "run_json_worker", "parse_rate", "parse_delay", "link_available", "namespace_exists"]
+__all__ = ["run_on_slow_link", "run_json_worker", "json_worker_main", "parse_rate",
+           "parse_delay", "link_available", "namespace_exists"]
 
 # tc's rate units (tc(8), "RATES"): bit-based and byte-based ("bps" is BYTES per second in tc).
 _RATE_UNITS: Dict[str, float] = {
@@ -277,3 +278,17 @@ def run_json_worker(script: str, argv: List[str], world_size: int, link: str,
             return json.load(f)
     finally:
         os.unlink(path)
+
+
+def json_worker_main(spec: str, fn, params) -> int:
+    """The worker side of ``run_json_worker``: ``spec`` is the ``--worker`` value "W,PATH"; runs
+    ``run_ranks(fn, W, params)`` and writes rank 0's result to PATH as JSON. Returns 0."""
+    import json
+
+    from moe_comm.tools.launch import run_ranks
+
+    W, path = spec.split(",", 1)
+    res = run_ranks(fn, int(W), params)
+    with open(path, "w") as f:
+        json.dump(res, f)
+    return 0
