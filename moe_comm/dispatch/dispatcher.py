@@ -25,7 +25,7 @@ from moe_comm.comm.channel import Channel, next_index
 from moe_comm.comm.collectives import group_device, group_rank, group_size, resolve_group
 from moe_comm.comm.wire import HEADER_WORDS, MESSAGE_WORDS, Failure, Phase, Word, dtype_code, header
 from moe_comm.dispatch.autotune import AutoChunker, PipelinePlan, chunk_overhead, now
-from moe_comm.dispatch.plan import (ChunkPlan, DispatchHandle, DispatchOutput, build_chunk_plans)
+from moe_comm.dispatch.plan import ChunkPlan, DispatchHandle, DispatchOutput, build_chunk_plans, group_pieces
 from moe_comm.dispatch.transport import AllToAll, choose
 from moe_comm.dispatch.workspace import shared_workspace
 from moe_comm.kernels import BACKENDS, select_backend
@@ -40,6 +40,14 @@ _graph_break = torch.compiler.disable
 MAX_CHUNKS = 16  # default bound on C per call: sizes the control exchange (S = max_chunks x e words per rank)
 DIRECT_MIN_BYTES_CPU = 1 << 20  # gloo, 4 ranks on 2 cores: point-to-point slower at 256 KiB, faster at 4 MiB
 NEVER = 1 << 62
+# One copy per rank on CPU with C = 1: the rows move in this many pieces (token ranges, the layout's tapered
+# chunks), each permuted just before it goes, so only the first piece's permute precedes the first byte on
+# the wire. Only when the previous call's largest sender had STREAM_MIN_BYTES of rows: below that the whole
+# permute fits in the control exchange's round trip, and the pieces' extra transfers cost more than they
+# hide (1 Gbit/s link, W = 2: dispatch / raw all-to-all at 32 MiB per rank 1.036 -> 1.005-1.026, at 8 MiB
+# 1.046-1.056 -> 1.058-1.078). Not with C > 1: the pieces would undo the pipeline's tapered chunks.
+STREAM_PIECES = 4
+STREAM_MIN_BYTES = 16 << 20
 DISPATCH_DTYPES = (torch.float8_e4m3fn,)
 
 
@@ -189,6 +197,7 @@ class Dispatcher:
         # bytes this rank sent in its last call, per direction: "dispatch_logical", "dispatch_wire",
         # "combine_logical", "combine_wire" (see _record_bytes); empty before the first call
         self.last_bytes = {}
+        self._stream = False  # one copy per rank: the next C = 1 call moves its rows in pieces (_pieces)
 
     # ---------------------------------------------------------------- properties
     @property
@@ -234,11 +243,21 @@ class Dispatcher:
                              f"got shape {tuple(topk_idx_TK.shape)}")
         check_int("num_chunks", C, 1, high=self.max_chunks)
 
-    def _open(self, phase: Phase, x_TH, topk_idx_TK, C, local_error=None, extra_check=None, rank_rows=False):
+    def _pieces(self, C, x_TH, rank_rows: bool) -> int:
+        """Pieces of the one chunk (``plan.group_pieces``): one copy per rank on CPU (its rows carry their own
+        placement) with C = 1, after a call whose largest sender moved STREAM_MIN_BYTES. The same on every
+        rank whenever C is: max_chunks and dedup are agreed at construction, the device type by the group's
+        backend, and ``_stream`` comes from the last control exchange every rank read alike."""
+        if not (rank_rows and self._stream) or C != 1 or x_TH.device.type != "cpu":
+            return 1
+        return min(STREAM_PIECES, self.max_chunks)
+
+    def _open(self, phase: Phase, x_TH, topk_idx_TK, C, local_error=None, extra_check=None, rank_rows=False,
+              pieces: int = 1):
         """Check the inputs, build the layout and issue the call's control exchange (header, counts).
         A rank whose input is rejected still joins the exchange with zero counts and its error, so every
         rank raises instead of the others hanging. Returns (pending, layout or None); with ``rank_rows``
-        (one copy per rank) the layout is a ``RankRows``."""
+        (one copy per rank) the layout is a ``RankRows`` of C x ``pieces`` chunks."""
         self.channel.call += 1
         call = self.channel.call
         layout, failed = None, Failure.NONE
@@ -251,8 +270,8 @@ class Dispatcher:
                     self.timeline.device = x_TH.device  # no group to say where the work runs: the rows do
                 with self.timeline.compute("layout"):
                     make = ops.make_rank_rows if rank_rows else ops.make_layout
-                    layout = make(topk_idx_TK, self.num_experts, num_ranks=self.world_size, num_chunks=C,
-                                  backend=self.backend)
+                    layout = make(topk_idx_TK, self.num_experts, num_ranks=self.world_size,
+                                  num_chunks=C * pieces, backend=self.backend)
             except (TypeError, ValueError) as err:
                 local_error = err
         if local_error is not None:
@@ -277,12 +296,14 @@ class Dispatcher:
                                      dynamic=dynamic, slots_WS=slots_WS)
         return pending, layout
 
-    def _close(self, pending, layout, C: int, hidden: int) -> DispatchHandle:
-        """Read the control exchange (raises on every rank alike), build the chunk plans, pick the transport."""
+    def _close(self, pending, layout, C: int, hidden: int, pieces: int = 1) -> DispatchHandle:
+        """Read the control exchange (raises on every rank alike), build the chunk plans, pick the transport.
+        ``pieces``: as given to ``_open``; the counts are per piece."""
         with self.workspace.dropped_on_error():  # a failed exchange may leave transfers of this rank in flight
             sent, rows = self.channel.end(pending)
         W, e = self.world_size, self.num_local_experts
         base = HEADER_WORDS + MESSAGE_WORDS
+        C *= pieces
 
         def counts(row):
             return [row[base + c * e:base + (c + 1) * e] for c in range(C)]
@@ -298,6 +319,9 @@ class Dispatcher:
             kind = AllToAll
             chunks = build_chunk_plans(send_WCe, recv_WCe, recv_counts_WCe, regroup=False, call=pending.call,
                                        recv_slots_WCe=[counts(r) for r in rows])
+            chunks = group_pieces(chunks, pieces)
+            row_bytes = rows[0][Word.ROW_BYTES] if self.dispatch_dtype is None else self._wire_width(hidden)
+            self._stream = max(r[Word.ROWS] for r in rows) * row_bytes >= STREAM_MIN_BYTES
         else:
             send_WCe, recv_WCe = [counts(r) for r in sent], [counts(r) for r in rows]
             row_bytes = rows[0][Word.ROW_BYTES] if self.dispatch_dtype is None else self._wire_width(hidden)
@@ -332,13 +356,15 @@ class Dispatcher:
         """FP8 dispatch: received packed rows back in the tokens' dtype."""
         return ops.dequantize_rows(q_RB, hidden, dtype, ue8m0=self.dispatch_scales == "ue8m0", backend=self.backend)
 
-    def _presend(self, x_TH: torch.Tensor, layout, fresh: bool) -> torch.Tensor:
+    def _presend(self, x_TH: torch.Tensor, layout, fresh: bool, pieces: int = 1):
         """The rows a call sends, permuted while its control exchange travels; made without autograd (the
         gradient reaches x_TH through the transfer's backward). FP8: the packed rows, each token quantized
         once. On CPU exactly the N routed rows (the counts are host memory: nothing to wait for); on an
         accelerator N is unknown until the exchange is read, so every slot that can hold a row is copied (the
         routed ones first) and the caller narrows to N. fresh: a new tensor (the experts may keep the rows:
-        W = 1), else the workspace's send buffer."""
+        W = 1), else the workspace's send buffer. pieces > 1 (CPU): only the first piece's rows now; returns
+        (rows, fill) where ``fill(piece_plan)`` permutes a later piece's rows just before it goes, else
+        (rows, None)."""
         lay = layout.layout if isinstance(layout, ops.RankRows) else layout
         T, K = lay.num_tokens, lay.top_k
         if x_TH.device.type == "cpu":
@@ -349,7 +375,20 @@ class Dispatcher:
         if self.dispatch_dtype is not None:
             src = self._quantize(src)
         out = src.new_empty(rows, src.shape[1]) if fresh else self.workspace.rows("send", rows, src.shape[1], src)
-        return select_backend(self.backend, x_TH.device).permute_rows(src, lay.token_S[:rows], out=out)
+        impl = select_backend(self.backend, x_TH.device)
+        if pieces == 1:
+            return impl.permute_rows(src, lay.token_S[:rows], out=out), None
+        done = [int(lay.counts_CWe[0].sum())]  # host sync: none, CPU tensors. Rows permuted so far (sent order)
+
+        def fill(piece: ChunkPlan) -> None:
+            end = piece.row_offset + piece.num_rows
+            if end > done[0]:
+                with self.timeline.compute("permute", chunk=piece.chunk):
+                    impl.permute_rows(src, lay.token_S[done[0]:end], out=out[done[0]:end])
+                done[0] = end
+
+        impl.permute_rows(src, lay.token_S[:done[0]], out=out[:done[0]])
+        return out, fill
 
     def _exchange_status(self, phase: Phase, handle: DispatchHandle, error: Optional[BaseException] = None,
                          failed: Failure = Failure.NONE, chunk: int = -1, row_bytes: int = -1, dtype: int = -1,
@@ -396,7 +435,7 @@ class Dispatcher:
         send_SH = None
         if layout is not None and (self.world_size > 1 or self.dispatch_dtype is not None):
             with self.timeline.compute("permute"):  # while the control exchange travels
-                send_SH = self._presend(x_TH, layout, fresh=False)
+                send_SH, _ = self._presend(x_TH, layout, fresh=False)
         if layout is None:
             self.channel.end(pending)  # raises on every rank
         handle = self._close(pending, layout, 1, x_TH.shape[1])
@@ -495,15 +534,18 @@ class Dispatcher:
         if C == "auto":
             C, measure, trial = self.auto.step()
         t_start = now(x_TH.device) if trial else 0.0
+        rank_rows = self.dedup and self.world_size > 1
+        pieces = self._pieces(C, x_TH, rank_rows) if isinstance(x_TH, torch.Tensor) else 1
         pending, layout = self._open(Phase.FORWARD, x_TH, topk_idx_TK, C,
                                      extra_check=lambda: check_call_args(x_TH, topk_idx_TK, topk_weight_TK, expert_fn,
                                                                          side_fn),
-                                     rank_rows=self.dedup and self.world_size > 1)
+                                     rank_rows=rank_rows, pieces=pieces)
         if layout is None:
             self.channel.end(pending)  # raises on every rank
         with self.timeline.compute("permute"):  # while the control exchange travels
-            send_NB = self._presend(x_TH, layout, fresh=self.world_size == 1 and self.dispatch_dtype is None)
-        handle = self._close(pending, layout, C, x_TH.shape[1])
+            send_NB, fill = self._presend(x_TH, layout, fresh=self.world_size == 1 and self.dispatch_dtype is None,
+                                          pieces=pieces)
+        handle = self._close(pending, layout, C, x_TH.shape[1], pieces)
         wire_NB = send_NB.narrow(0, 0, handle.layout.num_rows)
         # one copy per rank: the slot weights travel with the rows (the experts' ranks apply them), in float32
         # (float64 stays float64); else y_NH is saved for backward when the weights need grad at the unpermute
@@ -513,7 +555,7 @@ class Dispatcher:
         self._record_bytes(handle, x_TH, 0 if meta_w_TK is None else 2 * meta_w_TK.shape[1] * meta_w_TK.element_size())
         keep = torch.is_grad_enabled() and topk_weight_TK.requires_grad and meta_w_TK is None
         y_NH, side_out, expert_s = run_pipeline(self, handle, x_TH, expert_fn, side_fn, measure=measure,
-                                                keep_output=keep, meta_w_TK=meta_w_TK, wire_NB=wire_NB)
+                                                keep_output=keep, meta_w_TK=meta_w_TK, wire_NB=wire_NB, fill=fill)
         if measure:
             nbytes = handle.layout.num_rows * x_TH.shape[1] * x_TH.element_size()
             self.auto.make_plan(expert_s, nbytes, chunk_overhead(expert_fn, x_TH, self.num_local_experts))

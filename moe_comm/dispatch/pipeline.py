@@ -68,6 +68,7 @@ class _Run:
     meta: bool = False  # one copy per (token, rank): a [N, 2K] (local expert ids, weights) payload travels along
     meta_dtype: Optional[torch.dtype] = None  # its dtype (the weights' gradient comes back in it)
     wire: Optional[torch.Tensor] = None  # the permuted rows [N, B] sent instead of x (x is then x_TH); FP8: packed
+    fill: Optional[Callable] = None  # fill(piece plan): permutes a piece's rows of ``wire`` just before it goes
 
 
 class _Failure:
@@ -167,12 +168,14 @@ def _slot_meta(rank_rows, w_TK: torch.Tensor, rows: int) -> torch.Tensor:
 
 def _schedule(run: _Run, src: Tuple[torch.Tensor, ...], out: Tuple[torch.Tensor, ...], compute,
               phases: Tuple[str, str], direction: str, end: Phase, before=None,
-              failed: Optional[BaseException] = None, after=None) -> Tuple[torch.Tensor, ...]:
+              failed: Optional[BaseException] = None, after=None, fill=None) -> Tuple[torch.Tensor, ...]:
     """The one chunk schedule, forward and backward: the rows of chunk c of every tensor in ``src`` (sent
     order, [N, *]; a callable there is called once, after the tensors before it issued chunk 0) go to the
     experts' ranks (phases[0]), ``compute(c, received)`` runs there and returns one
     tensor per ``out`` tensor, which go back into ``out`` (phases[1]); chunk c+1 travels while chunk c
-    computes. ``before()`` runs while chunk 0 travels; ``after(c)`` once chunk c's result is on its way
+    computes. A chunk in pieces (``ChunkPlan.pieces``) moves each piece in its own transfers, and
+    ``fill(piece)`` writes a piece's rows of src[0] just before they go (so the first moves while the next
+    is permuted). ``before()`` runs while chunk 0 travels; ``after(c)`` once chunk c's result is on its way
     back. A failure on this rank keeps the schedule with placeholder rows and is raised on every rank by
     the end-of-phase exchange ``end``; ``failed``: this rank failed before the schedule (placeholder rows
     from the start)."""
@@ -184,12 +187,25 @@ def _schedule(run: _Run, src: Tuple[torch.Tensor, ...], out: Tuple[torch.Tensor,
 
     def issue(c: int) -> None:
         p = chunks[c]
-        to_experts[c] = []
-        for i, t in enumerate(src):
-            if callable(t):
-                t = src[i] = t()
-            to_experts[c].append(transport.to_experts(t.narrow(0, p.row_offset, p.num_rows), p, phase=phases[0],
-                                                      direction=direction))
+        flights, recv = [], []
+        for q in p.parts:
+            if fill is not None:
+                fill(q)
+            for i, t in enumerate(src):
+                if callable(t):
+                    t = src[i] = t()
+                if len(p.parts) > 1 and len(recv) == i:  # the chunk's rows, all pieces
+                    recv.append(t.new_empty(p.num_recv, t.shape[1]))
+                into = recv[i].narrow(0, q.recv_offset, q.num_recv) if recv else None
+                flights.append((i, transport.to_experts(t.narrow(0, q.row_offset, q.num_rows), q,
+                                                        phase=phases[0], direction=direction, out=into)))
+        to_experts[c] = (flights, recv)
+
+    def received_rows(c: int) -> Tuple[torch.Tensor, ...]:
+        flights, recv = to_experts[c]
+        to_experts[c] = None
+        rows = [_wait(f, failure, c, chunks[c].num_recv, src[i]) for i, f in flights]
+        return tuple(recv) if recv else tuple(rows)
 
     issue(0)
     if before is not None:
@@ -197,17 +213,18 @@ def _schedule(run: _Run, src: Tuple[torch.Tensor, ...], out: Tuple[torch.Tensor,
     for c, p in enumerate(chunks):
         if c + 1 < len(chunks):
             issue(c + 1)
-        received = tuple(_wait(f, failure, c, p.num_recv, t) for f, t in zip(to_experts[c], src))
-        to_experts[c] = None
+        received = received_rows(c)
         results = failure.catch(c, compute, c, received)
         if results is None:  # this rank failed: placeholder rows of the agreed sizes keep the schedule
             results = tuple(o.new_empty(p.num_recv, o.shape[1]) for o in out)
-        back.append([transport.to_tokens(r, p, o.narrow(0, p.row_offset, p.num_rows), phase=phases[1],
-                                         direction=direction) for r, o in zip(results, out)])
+        back.append([(transport.to_tokens(r.narrow(0, q.recv_offset, q.num_recv), q,
+                                          o.narrow(0, q.row_offset, q.num_rows), phase=phases[1],
+                                          direction=direction), o)
+                     for q in p.parts for r, o in zip(results, out)])
         if after is not None:
             failure.catch(c, after, c)
     for c, flights in enumerate(back):
-        for f, o in zip(flights, out):
+        for f, o in flights:
             _wait(f, failure, c, chunks[c].num_rows, o)
     failure.close(d, end, handle)
     if failure.error is not None:  # deferred: the backward of this call moves placeholder rows too
@@ -256,7 +273,7 @@ def _forward(run: _Run, src: Tuple[torch.Tensor, ...], x: torch.Tensor) -> torch
 
     run.expert_io = [None] * len(chunks)
     return _schedule(run, src, (y_NH,), experts, ("dispatch", "combine"), "fwd", Phase.FORWARD_END,
-                     before=side if run.side_fn is not None else None, failed=run.failed)[0]
+                     before=side if run.side_fn is not None else None, failed=run.failed, fill=run.fill)[0]
 
 
 def _backward(run: _Run, grad_y_NH: torch.Tensor, failed: Optional[BaseException] = None):
@@ -304,21 +321,23 @@ def _backward(run: _Run, grad_y_NH: torch.Tensor, failed: Optional[BaseException
 def run_pipeline(dispatcher, handle, x: torch.Tensor, expert_fn: Callable,
                  side_fn: Optional[Callable[[], torch.Tensor]] = None, measure: bool = False,
                  keep_output: bool = True, failed: Optional[BaseException] = None,
-                 meta_w_TK: Optional[torch.Tensor] = None, wire_NB: Optional[torch.Tensor] = None
-                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor], float]:
+                 meta_w_TK: Optional[torch.Tensor] = None, wire_NB: Optional[torch.Tensor] = None,
+                 fill: Optional[Callable] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor], float]:
     """Pipelined dispatch -> expert_fn -> combine of the permuted rows ``x`` = x_NH [N, H]. ``failed``: this
     rank's input was rejected; it moves placeholder rows through the whole schedule, then raises ``failed``.
     ``meta_w_TK``: one copy per rank (``handle.rank_rows``): the slot weights [T, K] (float32 or float64); each
     row travels with its [2K] local expert ids (as floats) and weights, and the experts' ranks expand it and
     return the weighted sum. ``wire_NB``: the rows to send, permuted
     without autograd (FP8: packed); ``x`` is then x_TH and its gradient comes back through ``handle.layout``.
+    ``fill``: wire_NB's rows are permuted piece by piece (``Dispatcher._presend``), each just before it goes.
 
     Returns (y_NH [N, H] combined rows in sent order, side_fn's result or None, expert seconds
     when ``measure`` else 0).
     """
     run = _Run(dispatcher=dispatcher, handle=handle, expert_fn=expert_fn, side_fn=side_fn,
                grad_enabled=torch.is_grad_enabled(), measure=measure, keep_output=keep_output, failed=failed,
-               meta=meta_w_TK is not None, meta_dtype=None if meta_w_TK is None else meta_w_TK.dtype, wire=wire_NB)
+               meta=meta_w_TK is not None, meta_dtype=None if meta_w_TK is None else meta_w_TK.dtype, wire=wire_NB,
+               fill=fill)
     # The anchor makes the output require grad whenever grad mode is on, so backward runs (and the
     # experts get their gradients) even when x itself needs none, e.g. the first layer's input.
     anchor = torch.empty(0, device=x.device, requires_grad=True) if run.grad_enabled else None

@@ -12,8 +12,8 @@ from einops import rearrange
 
 from moe_comm.ops.layout import Layout, RankRows
 
-__all__ = ["ChunkPlan", "DispatchHandle", "DispatchOutput", "build_chunk_plans", "expert_major_index",
-           "padded_expert_major_index"]
+__all__ = ["ChunkPlan", "DispatchHandle", "DispatchOutput", "build_chunk_plans", "group_pieces",
+           "expert_major_index", "padded_expert_major_index"]
 
 
 @dataclass
@@ -26,6 +26,9 @@ class ChunkPlan:
         regroup is needed: e = 1, one rank, or the point-to-point transport).
     tokens_per_expert_e: [e] int64 device tensor; counts_e the same on the host (None in sync-free mode:
         then the rows are padded to fixed sizes and only the device knows the counts).
+    pieces: the plans of the consecutive token ranges whose rows move one after another, each in its own
+        transfer, so the first moves while the next is permuted (``group_pieces``); None: one transfer.
+        A piece's rows arrive at ``recv_offset`` of the chunk's received rows (piece-major, then source rank).
     """
 
     chunk: int
@@ -37,6 +40,19 @@ class ChunkPlan:
     counts_e: Optional[List[int]]
     expert_index_R: Optional[torch.Tensor] = None
     source_index_R: Optional[torch.Tensor] = None
+    pieces: Optional[List["ChunkPlan"]] = None
+    piece: Optional[int] = None  # index among its chunk's pieces
+    recv_offset: int = 0
+
+    @property
+    def parts(self) -> List["ChunkPlan"]:
+        """The plans of this chunk's transfers, in issue order."""
+        return self.pieces if self.pieces is not None else [self]
+
+    @property
+    def label(self) -> str:
+        """How errors and arrival records name this transfer."""
+        return f"chunk {self.chunk}" + (f" (piece {self.piece})" if self.piece is not None else "")
 
     @property
     def send_splits_W(self) -> List[int]:
@@ -157,4 +173,31 @@ def build_chunk_plans(send_WCe: List[List[List[int]]], recv_WCe: List[List[List[
             plan.expert_index_R, plan.source_index_R = expert_major_index(counts_We, plan.num_recv)
         chunks.append(plan)
         offset += plan.num_rows
+    return chunks
+
+
+def group_pieces(plans: List[ChunkPlan], pieces: int) -> List[ChunkPlan]:
+    """C x P plans (consecutive token ranges, no regroup) -> C chunk plans of P pieces each: the experts run
+    once per chunk on the rows of all its pieces (piece-major, then source rank), which arrive each in its
+    own transfer. Only for rows that carry what the experts' ranks need to place them (one copy per rank:
+    the [2K] metadata), since the received order is not (source rank, expert).
+
+    Example: 4 plans sending rows [3], [2], [1], [4], pieces=2 -> 2 chunks sending 5 and 5 rows, chunk 1's
+    pieces at row offsets 5 and 6."""
+    if pieces == 1:
+        return plans
+    chunks = []
+    for c in range(len(plans) // pieces):
+        parts = plans[c * pieces:(c + 1) * pieces]
+        recv_offset = 0
+        for i, q in enumerate(parts):
+            q.chunk, q.piece, q.recv_offset = c, i, recv_offset
+            recv_offset += q.num_recv
+        W, e = len(parts[0].send_We), len(parts[0].counts_e)
+        chunks.append(ChunkPlan(
+            chunk=c, call=parts[0].call, row_offset=parts[0].row_offset,
+            send_We=[[sum(q.send_We[w][j] for q in parts) for j in range(len(parts[0].send_We[w]))] for w in range(W)],
+            recv_We=[[sum(q.recv_We[w][j] for q in parts) for j in range(len(parts[0].recv_We[w]))] for w in range(W)],
+            tokens_per_expert_e=sum(q.tokens_per_expert_e for q in parts),
+            counts_e=[sum(q.counts_e[j] for q in parts) for j in range(e)], pieces=parts))
     return chunks

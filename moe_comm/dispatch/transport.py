@@ -80,7 +80,7 @@ class Transport(abc.ABC):
     def arrive(self, plan: ChunkPlan, phase: str, direction: str) -> str:
         """Record in the group's store that this rank issued this transfer (a peer that times out names
         the ranks recorded elsewhere); returns the record."""
-        where = f"the {phase} ({direction}) transfer of chunk {plan.chunk} of call {plan.call}"
+        where = f"the {phase} ({direction}) transfer of {plan.label} of call {plan.call}"
         record_arrival(self.group, where)
         return where
 
@@ -89,12 +89,14 @@ class Transport(abc.ABC):
 
     def _scratch(self, kind: str, plan: ChunkPlan, direction: str, rows: int, like: torch.Tensor) -> torch.Tensor:
         # One buffer per (kind, direction, chunk): chunks in flight at the same time never share one.
-        return self.workspace.rows(f"{kind}.{direction}.{plan.chunk}", rows, like.shape[1], like)
+        return self.workspace.rows(f"{kind}.{direction}.{plan.label}", rows, like.shape[1], like)
 
     @abc.abstractmethod
-    def to_experts(self, src_NH: torch.Tensor, plan: ChunkPlan, *, phase: str, direction: str) -> InFlight:
+    def to_experts(self, src_NH: torch.Tensor, plan: ChunkPlan, *, phase: str, direction: str,
+                   out: Optional[torch.Tensor] = None) -> InFlight:
         """Start moving rows in sent order [N, H] to the experts' ranks; ``wait()`` gives [R, H] expert-major
-        rows in fresh memory (the experts may save them for backward)."""
+        rows in fresh memory (the experts may save them for backward), or in ``out`` when given (not W = 1:
+        there the sent rows are the result)."""
 
     @abc.abstractmethod
     def to_tokens(self, src_RH: torch.Tensor, plan: ChunkPlan, out_NH: torch.Tensor, *, phase: str,
@@ -107,7 +109,7 @@ class Local(Transport):
 
     name = "local"
 
-    def to_experts(self, src_NH, plan, *, phase, direction):
+    def to_experts(self, src_NH, plan, *, phase, direction, out=None):
         return InFlight(self, [], src_NH, phase, plan.chunk, direction)
 
     def to_tokens(self, src_RH, plan, out_NH, *, phase, direction):
@@ -122,12 +124,13 @@ class AllToAll(Transport):
     name = "all_to_all"
     regroups = True
 
-    def to_experts(self, src_NH, plan, *, phase, direction):
-        out = src_NH.new_empty(plan.num_recv, src_NH.shape[1])  # fresh: the experts may keep it for backward
+    def to_experts(self, src_NH, plan, *, phase, direction, out=None):
+        if out is None:  # fresh: the experts may keep it for backward
+            out = src_NH.new_empty(plan.num_recv, src_NH.shape[1])
         recv = out if plan.expert_index_R is None else self._scratch("recv", plan, direction, plan.num_recv, src_NH)
         where = self.arrive(plan, phase, direction)
         t0 = self.timeline.mark()
-        with issuing(self.group, f"{phase} ({direction}) {self.what} of chunk {plan.chunk}", self.rank):
+        with issuing(self.group, f"{phase} ({direction}) {self.what} of {plan.label}", self.rank):
             work = all_to_all_v_async(recv, src_NH, plan.recv_splits_W, plan.send_splits_W, self.group)
         self.timeline.comm(phase, work, chunk=plan.chunk, direction=direction, start=t0)
         regroup = None if plan.expert_index_R is None else (recv, plan.expert_index_R)
@@ -141,7 +144,7 @@ class AllToAll(Transport):
                     src_RH, plan.source_index_R, out=self._scratch("back", plan, direction, plan.num_recv, src_RH))
         where = self.arrive(plan, phase, direction)
         t0 = self.timeline.mark()
-        with issuing(self.group, f"{phase} ({direction}) {self.what} of chunk {plan.chunk}", self.rank):
+        with issuing(self.group, f"{phase} ({direction}) {self.what} of {plan.label}", self.rank):
             work = all_to_all_v_async(out_NH, src_RH, plan.send_splits_W, plan.recv_splits_W, self.group)
         self.timeline.comm(phase, work, chunk=plan.chunk, direction=direction, start=t0)
         return InFlight(self, [work], out_NH, phase, plan.chunk, direction, keep=(src_RH,), where=where)
@@ -171,12 +174,13 @@ class PointToPoint(Transport):
                 start += plan.recv_We[s][j]
         return by_dest, by_expert
 
-    def to_experts(self, src_NH, plan, *, phase, direction):
-        out = src_NH.new_empty(plan.num_recv, src_NH.shape[1])
+    def to_experts(self, src_NH, plan, *, phase, direction, out=None):
+        if out is None:
+            out = src_NH.new_empty(plan.num_recv, src_NH.shape[1])
         by_dest, by_expert = self._segments(plan, back=False)
         where = self.arrive(plan, phase, direction)
         t0 = self.timeline.mark()
-        with issuing(self.group, f"{phase} ({direction}) {self.what} of chunk {plan.chunk}", self.rank):
+        with issuing(self.group, f"{phase} ({direction}) {self.what} of {plan.label}", self.rank):
             works = issue_segments(out, src_NH, by_dest, by_expert, self.group)
         return InFlight(self, works, out, phase, plan.chunk, direction, keep=(src_NH,), start=t0, timed=True,
                         where=where)
@@ -185,7 +189,7 @@ class PointToPoint(Transport):
         by_dest, by_expert = self._segments(plan, back=True)
         where = self.arrive(plan, phase, direction)
         t0 = self.timeline.mark()
-        with issuing(self.group, f"{phase} ({direction}) {self.what} of chunk {plan.chunk}", self.rank):
+        with issuing(self.group, f"{phase} ({direction}) {self.what} of {plan.label}", self.rank):
             works = issue_segments(out_NH, src_RH.contiguous(), by_expert, by_dest, self.group)
         return InFlight(self, works, out_NH, phase, plan.chunk, direction, keep=(src_RH,), start=t0, timed=True,
                         where=where)

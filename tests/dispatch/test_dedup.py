@@ -3,8 +3,9 @@
 Tier 1: ``make_rank_rows`` against a plain Python enumeration of (token, rank) pairs.
 Tier 2 (gloo ranks): the same call with dedup on and off agrees with a dense float64 reference (outputs,
 input, weight and expert gradients), for several chunk counts, dropped slots, ranks without tokens and
-weights that need no gradient; a failing expert_fn on one rank raises on every rank; MoELayer with
-group-limited routing sends fewer rows and returns the same values.
+weights that need no gradient; the rows move in pieces, each permuted after the one before went; a failing
+expert_fn on one rank raises on every rank; MoELayer with group-limited routing sends fewer rows and returns
+the same values.
 """
 from __future__ import annotations
 
@@ -198,6 +199,79 @@ def test_dedup_matches_dense_reference(ranks, world_size, E, K, tokens, drop, w_
     if (world_size, K) == (2, 4):
         res = per_rank[0]
         assert res[(True, 1)][4]["combine_wire"] < res[(False, 1)][4]["combine_wire"]
+
+
+def test_group_pieces_sums_the_pieces_and_places_their_rows():
+    from moe_comm.dispatch.plan import build_chunk_plans, group_pieces
+    # W = 2, 4 wire chunks; rows per (rank, chunk) sent and received (one column), slots per local expert (e = 2)
+    send = [[[1], [2], [0], [3]], [[2], [0], [1], [1]]]
+    recv = [[[1], [1], [2], [0]], [[3], [2], [0], [1]]]
+    slots = torch.tensor([[[1, 1], [1, 0], [2, 1], [0, 0]], [[2, 2], [1, 1], [0, 0], [1, 0]]])
+    plans = build_chunk_plans(send, recv, slots, regroup=False, recv_slots_WCe=slots.tolist())
+    chunks = group_pieces(plans, 2)
+    assert [c.chunk for c in chunks] == [0, 1]
+    assert [c.num_rows for c in chunks] == [5, 5] and [c.num_recv for c in chunks] == [7, 3]
+    assert [c.row_offset for c in chunks] == [0, 5]
+    assert [[q.row_offset for q in c.parts] for c in chunks] == [[0, 3], [5, 6]]
+    assert [[q.recv_offset for q in c.parts] for c in chunks] == [[0, 4], [0, 2]]
+    assert [[q.label for q in c.parts] for c in chunks] == [["chunk 0 (piece 0)", "chunk 0 (piece 1)"],
+                                                             ["chunk 1 (piece 0)", "chunk 1 (piece 1)"]]
+    assert chunks[0].counts_e == [5, 4] and chunks[0].tokens_per_expert_e.tolist() == [5, 4]
+    assert group_pieces(plans, 1) is plans and plans[0].parts == [plans[0]]
+
+
+def _rank_streamed(rank, world_size):
+    import moe_comm.dispatch.dispatcher as dispatcher_module
+
+    E, K, T = 8, 4, 40
+    x, idx, w = _data(rank, E, K, T, drop=True)
+    e = E // world_size
+    out, default = {}, (dispatcher_module.STREAM_PIECES, dispatcher_module.STREAM_MIN_BYTES)
+    try:  # the rank processes serve other tests too: the constants are put back
+        dispatcher_module.STREAM_MIN_BYTES = 0
+        for pieces in (1, default[0]):
+            dispatcher_module.STREAM_PIECES = pieces
+            d = moe_comm.Dispatcher(E, dedup=True)
+            d.timeline.enabled = True
+            for call in range(2):  # the first call decides from its control exchange whether the next streams
+                xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+                W_local = _experts(E)[rank * e:(rank + 1) * e].clone().requires_grad_(True)
+
+                def expert_fn(tokens_RH, tokens_per_expert_e):
+                    outs, start = [], 0
+                    for j, n in enumerate(tokens_per_expert_e.tolist()):
+                        outs.append(torch.tanh(tokens_RH[start:start + n] @ W_local[j]))
+                        start += n
+                    return torch.cat(outs)
+
+                d.timeline.reset()  # the backward of the call before records its spans too
+                y = d(xi, idx, wi, expert_fn)
+                spans = [s for s in d.timeline.spans() if s.direction == "fwd"]
+                (y * torch.arange(1, H + 1, dtype=torch.float64)).sum().backward()
+                out[pieces, call] = (y.detach(), xi.grad, wi.grad, W_local.grad)
+                sends = sorted(s.start for s in spans if s.kind == "comm" and s.phase == "dispatch")
+                permutes = sorted(s.start for s in spans if s.kind == "compute" and s.phase == "permute")
+                out[f"spans{pieces}", call] = (len(sends), len(permutes), sends[0] < permutes[-1])
+    finally:
+        dispatcher_module.STREAM_PIECES, dispatcher_module.STREAM_MIN_BYTES = default
+    return out
+
+
+@pytest.mark.multirank
+def test_dedup_rows_move_in_pieces_each_permuted_after_the_one_before_went(ranks):
+    """One copy per rank on CPU streams from the call after one whose largest sender moved STREAM_MIN_BYTES
+    (0 here): P pieces (rows and metadata: 2 transfers each); every piece after the first is permuted once the
+    first is on the wire; outputs and gradients are those of a single piece."""
+    import moe_comm.dispatch.dispatcher as dispatcher_module
+
+    P = dispatcher_module.STREAM_PIECES
+    assert P > 1
+    for res in ranks(2).run(_rank_streamed):
+        for call in (0, 1):  # outputs, x, w and expert gradients
+            assert all(_rel(a, b) <= 1e-12 for a, b in zip(res[P, call], res[1, 0])), call
+            assert res["spans1", call] == (2, 1, False)  # rows and metadata once; the one permute before them
+        assert res[f"spans{P}", 0] == (2, 1, False)  # the first call: nothing known yet
+        assert res[f"spans{P}", 1] == (2 * P, P, True)
 
 
 def _rank_dedup_failure(rank, world_size):

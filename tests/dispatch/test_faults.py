@@ -290,9 +290,10 @@ def _stall_backward(d, rank, x, idx, w, mode):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("mode", ["stuck", "die"])
-@pytest.mark.parametrize("transport", ["all_to_all", "point_to_point"])
-@pytest.mark.parametrize("where", ["forward", "backward"])
+# every value of each of the three dimensions twice, in 4 of the 8 combinations (each spawns 2 ranks: 5-14 s)
+@pytest.mark.parametrize("where,transport,mode", [
+    ("forward", "all_to_all", "stuck"), ("forward", "point_to_point", "die"),
+    ("backward", "all_to_all", "die"), ("backward", "point_to_point", "stuck")])
 def test_stalled_or_dead_peer_poisons_the_group(tmp_path, mode, transport, where):
     world_size = 2
     ctx = multiprocessing.get_context("spawn")

@@ -196,9 +196,10 @@ def _fault_rank(rank, world_size, init_file, mode, path, q):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("mode", ["die", "stuck"])
-# both paths on 4 ranks, the pipeline also on 2 (each case spawns its ranks and waits out a timeout: ~15 s)
-@pytest.mark.parametrize("path,world_size", [("pipeline", 2), ("pipeline", 4), ("direct", 4)])
+# the pipeline on 2 ranks both ways, then one mode per path on 4 ranks (each case spawns its ranks and waits out
+# a timeout: 6-15 s); tests/dispatch/test_faults.py crosses stuck/die with both transports and phases
+@pytest.mark.parametrize("path,world_size,mode", [("pipeline", 2, "die"), ("pipeline", 2, "stuck"),
+                                                  ("pipeline", 4, "stuck"), ("direct", 4, "die")])
 def test_dead_or_stuck_peer_raises_within_timeout(tmp_path, mode, world_size, path):
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
