@@ -44,10 +44,11 @@ NEVER = 1 << 62
 # chunks), each permuted just before it goes, so only the first piece's permute precedes the first byte on
 # the wire. Only when the previous call's largest sender had STREAM_MIN_BYTES of rows: below that the whole
 # permute fits in the control exchange's round trip, and the pieces' extra transfers cost more than they
-# hide (1 Gbit/s link, W = 2: dispatch / raw all-to-all at 32 MiB per rank 1.036 -> 1.005-1.026, at 8 MiB
-# 1.046-1.056 -> 1.058-1.078). Not with C > 1: the pieces would undo the pipeline's tapered chunks.
+# hide. Dispatch / raw all-to-all on a 1 Gbit/s link (benchmarks/wire.py, 2 shared cores): 32 MiB per rank
+# (W = 2) 1.036 -> 1.005-1.026, 61 MiB (W = 4) 1.012 -> 0.994-1.004, 15 MiB (W = 4) 1.06 -> 1.02;
+# 8 MiB (W = 2) 1.046-1.056 -> 1.058-1.078. Not with C > 1: the pieces would undo the pipeline's tapered chunks.
 STREAM_PIECES = 4
-STREAM_MIN_BYTES = 16 << 20
+STREAM_MIN_BYTES = 12 << 20
 DISPATCH_DTYPES = (torch.float8_e4m3fn,)
 
 
@@ -103,7 +104,9 @@ class Dispatcher:
             mirrors it, and the weights' gradient comes back with the input gradient. Pays off when tokens
             often pick several experts of one rank (K > 1, e > 1, group-limited routing); costs the expansion
             pass and two small exchanges per chunk. Not with ``dispatch``/``combine`` (their weights are only
-            known at combine) nor the sync-free mode. Default False.
+            known at combine) nor the sync-free mode. Default False. On CPU a C = 1 call after one that moved
+            STREAM_MIN_BYTES from some rank sends its rows in STREAM_PIECES pieces, each permuted just before
+            it goes; the experts then see each expert's rows in (piece, source rank) order.
         dispatch_dtype: None (default: rows travel in x's dtype) or torch.float8_e4m3fn: FP8 dispatch. Each
             token row is quantized once with one scale per 128 elements (``moe_comm.ops.quantize_rows``:
             ~1.03 bytes per element with fp32 scales), the packed rows travel, the experts' ranks dequantize
