@@ -41,9 +41,9 @@ Three sections, each ending in a verdict per goal (pass/fail with the measured r
      Dedup + FP8 together are reported the same way.
      A second, leaner pass per (link, W) at ``--dedup-tokens`` (default 4096) tokens per rank times only the
      dedup call and its raw all-to-alls; the goal is judged at both sizes. ``dedup_fixed_ms``: what the
-     dispatch spends before its first row moves (layout, the control exchange, the permute), ~4-6 ms at
-     T = 1024 and 14-16 ms at T = 4096 at W = 2 on 2 shared cores: it grows with T (the permute), so larger
-     messages do not dilute it.
+     dispatch spends before its first row moves (layout, the control exchange, the permute of the first
+     rows), ~4-6 ms at T = 1024 and, with the rows streamed in pieces (from 12 MiB per rank), 5-8 ms at
+     T = 4096 at W = 2 on 2 shared cores (14-16 ms when the whole permute came first).
    ``Dispatcher.last_bytes`` of each path (rank 0) is in the JSON next to the bytes the raw all-to-alls move.
 
 3. accuracy (one process, W = 1: the same quantize/dequantize as on any W). "FP8 accuracy: layer output

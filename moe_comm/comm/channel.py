@@ -208,7 +208,7 @@ class Channel:
         if failed:
             self._raise_failure(pending, rows, failed, deferred)
         for word, what, fmt in ((Word.WORLD, "EP world size", str), (Word.EXPERTS, "num_experts", str),
-                                (Word.CHUNKS, "num_chunks of this call", str),
+                                (Word.CHUNKS, "num_chunks of this call (x the pieces its rows stream in)", str),
                                 (Word.ROW_BYTES, "row bytes (H x element size)", str),
                                 (Word.TOP_K, "top_k (the routing's slots per token)", str),
                                 (Word.DTYPE, "dtype", dtype_name), (Word.CONFIG, "Dispatcher settings (hash)", hex)):

@@ -36,7 +36,7 @@ class Word(enum.IntEnum):
     DISPATCHER = 1  # the Dispatcher's index on its group (construction order, agreed when built)
     CALL = 2        # call number of that Dispatcher (the same on every rank)
     PHASE = 3       # Phase
-    CHUNKS = 4      # C of this call
+    CHUNKS = 4      # C of this call (x its pieces: dispatch.send_rows.pieces)
     EXPERTS = 5     # E (global, physical)
     WORLD = 6       # W
     ROW_BYTES = 7   # H x element size (-1: unknown on a rank whose input was rejected)

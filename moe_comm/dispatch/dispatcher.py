@@ -25,6 +25,7 @@ from moe_comm.comm.channel import Channel, next_index
 from moe_comm.comm.collectives import group_device, group_rank, group_size, resolve_group
 from moe_comm.comm.wire import HEADER_WORDS, MESSAGE_WORDS, Failure, Phase, Word, dtype_code, header
 from moe_comm.dispatch.autotune import AutoChunker, PipelinePlan, chunk_overhead, now
+from moe_comm.dispatch import send_rows
 from moe_comm.dispatch.plan import ChunkPlan, DispatchHandle, DispatchOutput, build_chunk_plans, group_pieces
 from moe_comm.dispatch.transport import AllToAll, choose
 from moe_comm.dispatch.workspace import shared_workspace
@@ -40,15 +41,6 @@ _graph_break = torch.compiler.disable
 MAX_CHUNKS = 16  # default bound on C per call: sizes the control exchange (S = max_chunks x e words per rank)
 DIRECT_MIN_BYTES_CPU = 1 << 20  # gloo, 4 ranks on 2 cores: point-to-point slower at 256 KiB, faster at 4 MiB
 NEVER = 1 << 62
-# One copy per rank on CPU with C = 1: the rows move in this many pieces (token ranges, the layout's tapered
-# chunks), each permuted just before it goes, so only the first piece's permute precedes the first byte on
-# the wire. Only when the previous call's largest sender had STREAM_MIN_BYTES of rows: below that the whole
-# permute fits in the control exchange's round trip, and the pieces' extra transfers cost more than they
-# hide. Dispatch / raw all-to-all on a 1 Gbit/s link (benchmarks/wire.py, 2 shared cores): 32 MiB per rank
-# (W = 2) 1.036 -> 1.005-1.026, 61 MiB (W = 4) 1.012 -> 0.994-1.004, 15 MiB (W = 4) 1.06 -> 1.02;
-# 8 MiB (W = 2) 1.046-1.056 -> 1.058-1.078. Not with C > 1: the pieces would undo the pipeline's tapered chunks.
-STREAM_PIECES = 4
-STREAM_MIN_BYTES = 12 << 20
 DISPATCH_DTYPES = (torch.float8_e4m3fn,)
 
 
@@ -105,8 +97,9 @@ class Dispatcher:
             often pick several experts of one rank (K > 1, e > 1, group-limited routing); costs the expansion
             pass and two small exchanges per chunk. Not with ``dispatch``/``combine`` (their weights are only
             known at combine) nor the sync-free mode. Default False. On CPU a C = 1 call after one that moved
-            STREAM_MIN_BYTES from some rank sends its rows in STREAM_PIECES pieces, each permuted just before
-            it goes; the experts then see each expert's rows in (piece, source rank) order.
+            12 MiB from some rank sends its rows in 4 pieces, each permuted just before it goes
+            (``moe_comm.dispatch.send_rows``); the experts then see each expert's rows in (piece, source
+            rank) order.
         dispatch_dtype: None (default: rows travel in x's dtype) or torch.float8_e4m3fn: FP8 dispatch. Each
             token row is quantized once with one scale per 128 elements (``moe_comm.ops.quantize_rows``:
             ~1.03 bytes per element with fp32 scales), the packed rows travel, the experts' ranks dequantize
@@ -200,7 +193,7 @@ class Dispatcher:
         # bytes this rank sent in its last call, per direction: "dispatch_logical", "dispatch_wire",
         # "combine_logical", "combine_wire" (see _record_bytes); empty before the first call
         self.last_bytes = {}
-        self._stream = False  # one copy per rank: the next C = 1 call moves its rows in pieces (_pieces)
+        self._stream = False  # one copy per rank: the next C = 1 call moves its rows in pieces (send_rows.pieces)
 
     # ---------------------------------------------------------------- properties
     @property
@@ -246,15 +239,6 @@ class Dispatcher:
                              f"got shape {tuple(topk_idx_TK.shape)}")
         check_int("num_chunks", C, 1, high=self.max_chunks)
 
-    def _pieces(self, C, x_TH, rank_rows: bool) -> int:
-        """Pieces of the one chunk (``plan.group_pieces``): one copy per rank on CPU (its rows carry their own
-        placement) with C = 1, after a call whose largest sender moved STREAM_MIN_BYTES. The same on every
-        rank whenever C is: max_chunks and dedup are agreed at construction, the device type by the group's
-        backend, and ``_stream`` comes from the last control exchange every rank read alike."""
-        if not (rank_rows and self._stream) or C != 1 or x_TH.device.type != "cpu":
-            return 1
-        return min(STREAM_PIECES, self.max_chunks)
-
     def _open(self, phase: Phase, x_TH, topk_idx_TK, C, local_error=None, extra_check=None, rank_rows=False,
               pieces: int = 1):
         """Check the inputs, build the layout and issue the call's control exchange (header, counts).
@@ -295,8 +279,8 @@ class Dispatcher:
             slots_WS = rearrange(layout.counts_CWe, "c w e -> w (c e)")
             dynamic = torch.stack([layout.num_invalid, nonfinite, layout.counts_CWe.sum()])
         top_k = topk_idx_TK.shape[1] if self.sync_free else -1  # sync-free rows are sized by K: agreed
-        pending = self.channel.begin(phase, self._header(phase, call, C, row_bytes, dtype_code(x_TH.dtype), top_k),
-                                     dynamic=dynamic, slots_WS=slots_WS)
+        pending = self.channel.begin(phase, self._header(phase, call, C * pieces, row_bytes, dtype_code(x_TH.dtype),
+                                                         top_k), dynamic=dynamic, slots_WS=slots_WS)
         return pending, layout
 
     def _close(self, pending, layout, C: int, hidden: int, pieces: int = 1) -> DispatchHandle:
@@ -324,7 +308,7 @@ class Dispatcher:
                                        recv_slots_WCe=[counts(r) for r in rows])
             chunks = group_pieces(chunks, pieces)
             row_bytes = rows[0][Word.ROW_BYTES] if self.dispatch_dtype is None else self._wire_width(hidden)
-            self._stream = max(r[Word.ROWS] for r in rows) * row_bytes >= STREAM_MIN_BYTES
+            self._stream = send_rows.streams(max(r[Word.ROWS] for r in rows) * row_bytes)
         else:
             send_WCe, recv_WCe = [counts(r) for r in sent], [counts(r) for r in rows]
             row_bytes = rows[0][Word.ROW_BYTES] if self.dispatch_dtype is None else self._wire_width(hidden)
@@ -358,40 +342,6 @@ class Dispatcher:
     def _dequantize(self, q_RB: torch.Tensor, hidden: int, dtype: torch.dtype) -> torch.Tensor:
         """FP8 dispatch: received packed rows back in the tokens' dtype."""
         return ops.dequantize_rows(q_RB, hidden, dtype, ue8m0=self.dispatch_scales == "ue8m0", backend=self.backend)
-
-    def _presend(self, x_TH: torch.Tensor, layout, fresh: bool, pieces: int = 1):
-        """The rows a call sends, permuted while its control exchange travels; made without autograd (the
-        gradient reaches x_TH through the transfer's backward). FP8: the packed rows, each token quantized
-        once. On CPU exactly the N routed rows (the counts are host memory: nothing to wait for); on an
-        accelerator N is unknown until the exchange is read, so every slot that can hold a row is copied (the
-        routed ones first) and the caller narrows to N. fresh: a new tensor (the experts may keep the rows:
-        W = 1), else the workspace's send buffer. pieces > 1 (CPU): only the first piece's rows now; returns
-        (rows, fill) where ``fill(piece_plan)`` permutes a later piece's rows just before it goes, else
-        (rows, None)."""
-        lay = layout.layout if isinstance(layout, ops.RankRows) else layout
-        T, K = lay.num_tokens, lay.top_k
-        if x_TH.device.type == "cpu":
-            rows = int(lay.counts_CWe.sum())  # host sync: none, CPU tensors (nothing to wait for)
-        else:
-            rows = T * min(K, self.world_size) if lay is not layout else T * K
-        src = x_TH.detach().contiguous()
-        if self.dispatch_dtype is not None:
-            src = self._quantize(src)
-        out = src.new_empty(rows, src.shape[1]) if fresh else self.workspace.rows("send", rows, src.shape[1], src)
-        impl = select_backend(self.backend, x_TH.device)
-        if pieces == 1:
-            return impl.permute_rows(src, lay.token_S[:rows], out=out), None
-        done = [int(lay.counts_CWe[0].sum())]  # host sync: none, CPU tensors. Rows permuted so far (sent order)
-
-        def fill(piece: ChunkPlan) -> None:
-            end = piece.row_offset + piece.num_rows
-            if end > done[0]:
-                with self.timeline.compute("permute", chunk=piece.chunk):
-                    impl.permute_rows(src, lay.token_S[done[0]:end], out=out[done[0]:end])
-                done[0] = end
-
-        impl.permute_rows(src, lay.token_S[:done[0]], out=out[:done[0]])
-        return out, fill
 
     def _exchange_status(self, phase: Phase, handle: DispatchHandle, error: Optional[BaseException] = None,
                          failed: Failure = Failure.NONE, chunk: int = -1, row_bytes: int = -1, dtype: int = -1,
@@ -438,7 +388,7 @@ class Dispatcher:
         send_SH = None
         if layout is not None and (self.world_size > 1 or self.dispatch_dtype is not None):
             with self.timeline.compute("permute"):  # while the control exchange travels
-                send_SH, _ = self._presend(x_TH, layout, fresh=False)
+                send_SH, _ = send_rows.presend(self, x_TH, layout, fresh=False)
         if layout is None:
             self.channel.end(pending)  # raises on every rank
         handle = self._close(pending, layout, 1, x_TH.shape[1])
@@ -538,7 +488,7 @@ class Dispatcher:
             C, measure, trial = self.auto.step()
         t_start = now(x_TH.device) if trial else 0.0
         rank_rows = self.dedup and self.world_size > 1
-        pieces = self._pieces(C, x_TH, rank_rows) if isinstance(x_TH, torch.Tensor) else 1
+        pieces = send_rows.pieces(self, C, x_TH, rank_rows) if isinstance(x_TH, torch.Tensor) else 1
         pending, layout = self._open(Phase.FORWARD, x_TH, topk_idx_TK, C,
                                      extra_check=lambda: check_call_args(x_TH, topk_idx_TK, topk_weight_TK, expert_fn,
                                                                          side_fn),
@@ -546,8 +496,8 @@ class Dispatcher:
         if layout is None:
             self.channel.end(pending)  # raises on every rank
         with self.timeline.compute("permute"):  # while the control exchange travels
-            send_NB, fill = self._presend(x_TH, layout, fresh=self.world_size == 1 and self.dispatch_dtype is None,
-                                          pieces=pieces)
+            send_NB, fill = send_rows.presend(self, x_TH, layout, pieces=pieces,
+                                              fresh=self.world_size == 1 and self.dispatch_dtype is None)
         handle = self._close(pending, layout, C, x_TH.shape[1], pieces)
         wire_NB = send_NB.narrow(0, 0, handle.layout.num_rows)
         # one copy per rank: the slot weights travel with the rows (the experts' ranks apply them), in float32

@@ -329,7 +329,7 @@ def run_pipeline(dispatcher, handle, x: torch.Tensor, expert_fn: Callable,
     row travels with its [2K] local expert ids (as floats) and weights, and the experts' ranks expand it and
     return the weighted sum. ``wire_NB``: the rows to send, permuted
     without autograd (FP8: packed); ``x`` is then x_TH and its gradient comes back through ``handle.layout``.
-    ``fill``: wire_NB's rows are permuted piece by piece (``Dispatcher._presend``), each just before it goes.
+    ``fill``: wire_NB's rows are permuted piece by piece (``send_rows.presend``), each just before it goes.
 
     Returns (y_NH [N, H] combined rows in sent order, side_fn's result or None, expert seconds
     when ``measure`` else 0).

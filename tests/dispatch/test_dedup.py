@@ -221,16 +221,16 @@ def test_group_pieces_sums_the_pieces_and_places_their_rows():
 
 
 def _rank_streamed(rank, world_size):
-    import moe_comm.dispatch.dispatcher as dispatcher_module
+    from moe_comm.dispatch import send_rows
 
     E, K, T = 8, 4, 40
     x, idx, w = _data(rank, E, K, T, drop=True)
     e = E // world_size
-    out, default = {}, (dispatcher_module.STREAM_PIECES, dispatcher_module.STREAM_MIN_BYTES)
+    out, default = {}, (send_rows.STREAM_PIECES, send_rows.STREAM_MIN_BYTES)
     try:  # the rank processes serve other tests too: the constants are put back
-        dispatcher_module.STREAM_MIN_BYTES = 0
+        send_rows.STREAM_MIN_BYTES = 0
         for pieces in (1, default[0]):
-            dispatcher_module.STREAM_PIECES = pieces
+            send_rows.STREAM_PIECES = pieces
             d = moe_comm.Dispatcher(E, dedup=True)
             d.timeline.enabled = True
             for call in range(2):  # the first call decides from its control exchange whether the next streams
@@ -253,7 +253,7 @@ def _rank_streamed(rank, world_size):
                 permutes = sorted(s.start for s in spans if s.kind == "compute" and s.phase == "permute")
                 out[f"spans{pieces}", call] = (len(sends), len(permutes), sends[0] < permutes[-1])
     finally:
-        dispatcher_module.STREAM_PIECES, dispatcher_module.STREAM_MIN_BYTES = default
+        send_rows.STREAM_PIECES, send_rows.STREAM_MIN_BYTES = default
     return out
 
 
@@ -262,9 +262,9 @@ def test_dedup_rows_move_in_pieces_each_permuted_after_the_one_before_went(ranks
     """One copy per rank on CPU streams from the call after one whose largest sender moved STREAM_MIN_BYTES
     (0 here): P pieces (rows and metadata: 2 transfers each); every piece after the first is permuted once the
     first is on the wire; outputs and gradients are those of a single piece."""
-    import moe_comm.dispatch.dispatcher as dispatcher_module
+    from moe_comm.dispatch import send_rows
 
-    P = dispatcher_module.STREAM_PIECES
+    P = send_rows.STREAM_PIECES
     assert P > 1
     for res in ranks(2).run(_rank_streamed):
         for call in (0, 1):  # outputs, x, w and expert gradients
@@ -272,6 +272,44 @@ def test_dedup_rows_move_in_pieces_each_permuted_after_the_one_before_went(ranks
             assert res["spans1", call] == (2, 1, False)  # rows and metadata once; the one permute before them
         assert res[f"spans{P}", 0] == (2, 1, False)  # the first call: nothing known yet
         assert res[f"spans{P}", 1] == (2 * P, P, True)
+
+
+def _rank_streamed_checkpoint(rank, world_size):
+    import torch.utils.checkpoint as torch_checkpoint
+
+    from moe_comm.dispatch import send_rows
+
+    cfg = moe_comm.MoEConfig(hidden_size=16, ffn_hidden_size=12, num_experts=8, top_k=4, dedup=True)
+    default = send_rows.STREAM_MIN_BYTES
+    out = []
+    try:
+        send_rows.STREAM_MIN_BYTES = 0  # every call after the first would stream
+        layers = [moe_comm.MoELayer(cfg, seed=4, dtype=torch.float64) for _ in range(2)]
+        for step in range(3):
+            grads = []
+            for i, layer in enumerate(layers):
+                layer.zero_grad(set_to_none=True)
+                x = torch.randn(21, 16, generator=torch.Generator().manual_seed(10 * rank + step), dtype=torch.float64)
+                x.requires_grad_(True)
+                y = torch_checkpoint.checkpoint(layer, x, use_reentrant=False) if i else layer(x)
+                y.square().sum().backward()
+                grads.append([x.grad] + [p.grad for p in layer.parameters()])
+            out.append(grads)
+        out.append(layers[0].dispatcher._stream)
+    finally:
+        send_rows.STREAM_MIN_BYTES = default
+    return out
+
+
+@pytest.mark.multirank
+def test_streamed_layer_under_non_reentrant_checkpointing_keeps_its_gradients(ranks):
+    """The recompute inside backward must lay rows out as the first pass did (non-reentrant checkpointing gives
+    the first pass's backward the recomputed layout): calls under a checkpoint do not stream."""
+    for res in ranks(2).run(_rank_streamed_checkpoint):
+        assert res[-1] is True  # the plain layer's calls after the first streamed
+        for ref, ckp in res[:-1]:
+            for a, b in zip(ref, ckp):
+                assert _rel(b, a) <= 1e-12
 
 
 def _rank_dedup_failure(rank, world_size):
