@@ -8,7 +8,8 @@ Dependency rule (one way, lowest first; tested in tests/test_dependencies.py):
 
     kernels -> ops -> comm -> dispatch -> {monitor, placement} -> modules -> {parallel, hf}
 
-``config``, ``routing``, ``_checks``, ``_wgrad`` and ``profiling`` may be imported from anywhere in the core.
+``config``, ``routing``, ``_checks``, ``_wgrad``, ``_recompute`` and ``profiling`` may be imported from anywhere in
+the core.
 Nothing in the core imports ``tools`` (cli, bench, diagnose, launch, slow_link) or ``testing`` (dense
 reference, self-checking payloads, routing workloads); those two sit on top. ``import moe_comm`` loads
 neither rich nor matplotlib.

@@ -6,8 +6,9 @@
     the lazy ``dense_moe`` in ``moe_comm.__getattr__``.
 (c) One-way layers, lowest first: kernels -> ops -> comm -> dispatch -> {monitor, placement} -> modules.
     A module never imports a higher layer, and the two siblings monitor and placement never import each
-    other. config, routing, _checks, _wgrad and profiling may be imported from anywhere; routing may import
-    ops and kernels; config, _checks and profiling import only each other; _wgrad imports nothing of moe_comm.
+    other. config, routing, _checks, _wgrad, _recompute and profiling may be imported from anywhere; routing may
+    import ops and kernels; config, _checks and profiling import only each other; _wgrad and _recompute import
+    nothing of moe_comm.
 (d) No module calls ``matplotlib.use`` (or ``pyplot.switch_backend``): that switches the backend of the
     user's whole process; draw on ``matplotlib.figure.Figure`` with an Agg canvas instead.
 (b)-(d) read the source with ``ast`` and import nothing.
@@ -30,6 +31,7 @@ LAYERS = {"kernels": 0, "ops": 1, "comm": 2, "dispatch": 3, "monitor": 4, "place
           "parallel": 6, "hf": 6}
 FREE_IMPORTS = {  # importable from anywhere; what each may import itself
     "_wgrad": set(),
+    "_recompute": set(),
     "config": {"config", "_checks", "profiling"},
     "_checks": {"config", "_checks", "profiling"},
     "profiling": {"config", "_checks", "profiling"},

@@ -20,6 +20,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from moe_comm import ops
+from moe_comm._recompute import checkpoint_mode, in_backward
 from moe_comm.dispatch.plan import ChunkPlan
 from moe_comm.kernels import select_backend
 
@@ -43,8 +44,6 @@ def pieces(d, C, x_TH: torch.Tensor, rank_rows: bool) -> int:
     last control exchange every rank read alike, and the header carries C x pieces (checked)."""
     if not (rank_rows and d._stream) or C != 1 or x_TH.device.type != "cpu":
         return 1
-    from moe_comm.modules.recompute import checkpoint_mode, in_backward  # here: modules imports dispatch
-
     if in_backward() or checkpoint_mode() is not None:
         return 1
     return min(STREAM_PIECES, d.max_chunks)

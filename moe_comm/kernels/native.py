@@ -49,7 +49,7 @@ _LDFLAGS = ("-fopenmp",)
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
-STALE_LOCK_S = 300  # a build takes ~30 s here; a lock older than this was left by a killed build
+STALE_LOCK_S = 300  # a build takes ~50 s here; a lock older than this was left by a killed build
 
 
 def _build_name(sources) -> str:

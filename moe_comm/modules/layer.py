@@ -28,7 +28,7 @@ from moe_comm.config import MoEConfig
 from moe_comm.dispatch.dispatcher import Dispatcher
 from moe_comm.modules.checkpoint import ExpertKeyPath, dcp_fqn_modifiers
 from moe_comm.modules.experts import GroupedExperts, PlacedExperts, SwiGLU, _init_expert_
-from moe_comm.modules.recompute import checkpoint_mode, forget_bias, in_backward, input_key
+from moe_comm._recompute import checkpoint_mode, forget_bias, in_backward, input_key
 from moe_comm.modules.wrappers import data_parallel_error
 from moe_comm.monitor.load import GlobalCounts, LoadMonitor, reduce_counts
 from moe_comm.placement.apply import physical_topk, relayout_slots, replica_tables, sync_replica_grads

@@ -1,6 +1,7 @@
-"""Activation checkpointing seen from a layer: is this forward the first pass of a checkpoint, or its
-recompute inside backward? And which input is which across the two (so the recompute routes with the bias
-the first pass used, and records no load twice)."""
+"""Activation checkpointing seen from a call: is this forward the first pass of a checkpoint, or its
+recompute inside backward? And which input is which across the two (so MoELayer's recompute routes with the
+bias the first pass used and records no load twice, and a Dispatcher's recompute lays its rows out as the
+first pass did: ``dispatch.send_rows.pieces``)."""
 from __future__ import annotations
 
 import inspect
