@@ -296,6 +296,7 @@ class Dispatcher:
             return [row[base + c * e:base + (c + 1) * e] for c in range(C)]
 
         rank_rows = layout if isinstance(layout, ops.RankRows) else None
+        row_bytes = rows[0][Word.ROW_BYTES] if self.dispatch_dtype is None else self._wire_width(hidden)
         recv_counts_WCe = pending.recv_WX[:, base:base + C * e].reshape(W, C, e)
         if rank_rows is not None:  # one copy per rank: rows per (rank, chunk) after the slots; one all-to-all
             def rows_of(row):
@@ -307,11 +308,9 @@ class Dispatcher:
             chunks = build_chunk_plans(send_WCe, recv_WCe, recv_counts_WCe, regroup=False, call=pending.call,
                                        recv_slots_WCe=[counts(r) for r in rows])
             chunks = group_pieces(chunks, pieces)
-            row_bytes = rows[0][Word.ROW_BYTES] if self.dispatch_dtype is None else self._wire_width(hidden)
             self._stream = send_rows.streams(max(r[Word.ROWS] for r in rows) * row_bytes)
         else:
             send_WCe, recv_WCe = [counts(r) for r in sent], [counts(r) for r in rows]
-            row_bytes = rows[0][Word.ROW_BYTES] if self.dispatch_dtype is None else self._wire_width(hidden)
             kind = choose(W, e, C, [r[Word.ROWS] for r in rows], row_bytes, self.direct_min_bytes)
             chunks = build_chunk_plans(send_WCe, recv_WCe, recv_counts_WCe, regroup=kind.regroups and e > 1,
                                        call=pending.call)
