@@ -193,11 +193,13 @@ def group_pieces(plans: List[ChunkPlan], pieces: int) -> List[ChunkPlan]:
         for i, q in enumerate(parts):
             q.chunk, q.piece, q.recv_offset = c, i, recv_offset
             recv_offset += q.num_recv
-        W, e = len(parts[0].send_We), len(parts[0].counts_e)
+        def summed(lists):  # element-wise sum of equally shaped lists of ints
+            return [sum(col) for col in zip(*lists)]
+
         chunks.append(ChunkPlan(
             chunk=c, call=parts[0].call, row_offset=parts[0].row_offset,
-            send_We=[[sum(q.send_We[w][j] for q in parts) for j in range(len(parts[0].send_We[w]))] for w in range(W)],
-            recv_We=[[sum(q.recv_We[w][j] for q in parts) for j in range(len(parts[0].recv_We[w]))] for w in range(W)],
+            send_We=[summed(rows) for rows in zip(*(q.send_We for q in parts))],
+            recv_We=[summed(rows) for rows in zip(*(q.recv_We for q in parts))],
             tokens_per_expert_e=sum(q.tokens_per_expert_e for q in parts),
-            counts_e=[sum(q.counts_e[j] for q in parts) for j in range(e)], pieces=parts))
+            counts_e=summed(q.counts_e for q in parts), pieces=parts))
     return chunks

@@ -9,6 +9,8 @@ the same values.
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -220,40 +222,51 @@ def test_group_pieces_sums_the_pieces_and_places_their_rows():
     assert group_pieces(plans, 1) is plans and plans[0].parts == [plans[0]]
 
 
-def _rank_streamed(rank, world_size):
+@contextlib.contextmanager
+def _streaming(**values):
+    """Set send_rows' constants (STREAM_PIECES=, STREAM_MIN_BYTES=) and put them back: the rank processes serve
+    other tests too."""
     from moe_comm.dispatch import send_rows
 
+    before = {k: getattr(send_rows, k) for k in values}
+    for k, v in values.items():
+        setattr(send_rows, k, v)
+    try:
+        yield send_rows
+    finally:
+        for k, v in before.items():
+            setattr(send_rows, k, v)
+
+
+def _rank_streamed(rank, world_size):
     E, K, T = 8, 4, 40
     x, idx, w = _data(rank, E, K, T, drop=True)
     e = E // world_size
-    out, default = {}, (send_rows.STREAM_PIECES, send_rows.STREAM_MIN_BYTES)
-    try:  # the rank processes serve other tests too: the constants are put back
-        send_rows.STREAM_MIN_BYTES = 0
-        for pieces in (1, default[0]):
-            send_rows.STREAM_PIECES = pieces
-            d = moe_comm.Dispatcher(E, dedup=True)
-            d.timeline.enabled = True
-            for call in range(2):  # the first call decides from its control exchange whether the next streams
-                xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-                W_local = _experts(E)[rank * e:(rank + 1) * e].clone().requires_grad_(True)
+    out = {}
+    with _streaming(STREAM_MIN_BYTES=0) as send_rows:
+        for pieces in (1, send_rows.STREAM_PIECES):
+            with _streaming(STREAM_PIECES=pieces):
+                d = moe_comm.Dispatcher(E, dedup=True)
+                d.timeline.enabled = True
+                for call in range(2):  # the first call decides from its control exchange whether the next streams
+                    xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+                    W_local = _experts(E)[rank * e:(rank + 1) * e].clone().requires_grad_(True)
 
-                def expert_fn(tokens_RH, tokens_per_expert_e):
-                    outs, start = [], 0
-                    for j, n in enumerate(tokens_per_expert_e.tolist()):
-                        outs.append(torch.tanh(tokens_RH[start:start + n] @ W_local[j]))
-                        start += n
-                    return torch.cat(outs)
+                    def expert_fn(tokens_RH, tokens_per_expert_e):
+                        outs, start = [], 0
+                        for j, n in enumerate(tokens_per_expert_e.tolist()):
+                            outs.append(torch.tanh(tokens_RH[start:start + n] @ W_local[j]))
+                            start += n
+                        return torch.cat(outs)
 
-                d.timeline.reset()  # the backward of the call before records its spans too
-                y = d(xi, idx, wi, expert_fn)
-                spans = [s for s in d.timeline.spans() if s.direction == "fwd"]
-                (y * torch.arange(1, H + 1, dtype=torch.float64)).sum().backward()
-                out[pieces, call] = (y.detach(), xi.grad, wi.grad, W_local.grad)
-                sends = sorted(s.start for s in spans if s.kind == "comm" and s.phase == "dispatch")
-                permutes = sorted(s.start for s in spans if s.kind == "compute" and s.phase == "permute")
-                out[f"spans{pieces}", call] = (len(sends), len(permutes), sends[0] < permutes[-1])
-    finally:
-        send_rows.STREAM_PIECES, send_rows.STREAM_MIN_BYTES = default
+                    d.timeline.reset()  # the backward of the call before records its spans too
+                    y = d(xi, idx, wi, expert_fn)
+                    spans = [s for s in d.timeline.spans() if s.direction == "fwd"]
+                    (y * torch.arange(1, H + 1, dtype=torch.float64)).sum().backward()
+                    out[pieces, call] = (y.detach(), xi.grad, wi.grad, W_local.grad)
+                    sends = sorted(s.start for s in spans if s.kind == "comm" and s.phase == "dispatch")
+                    permutes = sorted(s.start for s in spans if s.kind == "compute" and s.phase == "permute")
+                    out[f"spans{pieces}", call] = (len(sends), len(permutes), sends[0] < permutes[-1])
     return out
 
 
@@ -277,13 +290,9 @@ def test_dedup_rows_move_in_pieces_each_permuted_after_the_one_before_went(ranks
 def _rank_streamed_checkpoint(rank, world_size):
     import torch.utils.checkpoint as torch_checkpoint
 
-    from moe_comm.dispatch import send_rows
-
     cfg = moe_comm.MoEConfig(hidden_size=16, ffn_hidden_size=12, num_experts=8, top_k=4, dedup=True)
-    default = send_rows.STREAM_MIN_BYTES
     out = []
-    try:
-        send_rows.STREAM_MIN_BYTES = 0  # every call after the first would stream
+    with _streaming(STREAM_MIN_BYTES=0):  # every call after the first would stream
         layers = [moe_comm.MoELayer(cfg, seed=4, dtype=torch.float64) for _ in range(2)]
         for step in range(3):
             grads = []
@@ -296,8 +305,6 @@ def _rank_streamed_checkpoint(rank, world_size):
                 grads.append([x.grad] + [p.grad for p in layer.parameters()])
             out.append(grads)
         out.append(layers[0].dispatcher._stream)
-    finally:
-        send_rows.STREAM_MIN_BYTES = default
     return out
 
 
