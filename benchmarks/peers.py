@@ -1,0 +1,223 @@
+"""moe_comm against other libraries' expert-parallel MoE layers, on CPU gloo ranks, in one run.
+
+Runs whichever peers are installed (it installs nothing; each adapter in ``benchmarks/peer_adapters/`` names
+its pip line): torchtitan, DeepSpeed-MoE, Megatron-Core. Every layer gets the weights of one moe_comm layer
+(softmax top-k routing, renormalised, dropless, SwiGLU experts, float32), so all compute the same function:
+- cross-check: each peer's output and input gradient against moe_comm's on the same tokens (max |difference|
+  over every rank / max |moe_comm's value|); above 1e-5 the peer computes another function: it is marked
+  MISMATCH and the run exits 1;
+- timing: forward + backward steps, interleaved (one step of every layer per repeat, so machine noise hits
+  all alike), each bracketed by barriers; plus the bare expert GEMMs forward + backward on this rank's
+  received rows, which every layer runs.
+- overhead = step - bare GEMMs: routing, permutation, communication and bookkeeping. The verdict is
+  moe_comm's overhead / each peer's (goal <= 0.5), the median over repeats of the paired ratios.
+
+    python benchmarks/peers.py                                   # W = 2 and 4, default shapes
+    python benchmarks/peers.py --world-sizes 2 --shapes 1024x512x256x8x2 --json out.json
+Shapes are TxHxFxExK: tokens per rank, hidden, ffn, experts, top-k. The DeepSpeed adapter takes K = 2 only.
+``--peers`` also takes dotted module paths: your own adapter, with the four names that
+``peer_adapters/__init__.py`` describes.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import moe_comm  # noqa: E402
+from moe_comm.tools.slow_link import json_worker_main, run_json_worker  # noqa: E402
+
+ADAPTERS = ("torchtitan_moe", "deepspeed_moe", "megatron_moe")
+GOAL = 0.5  # moe_comm's overhead <= 0.5 x each peer's
+AGREE = 1e-5  # max |difference| / max |moe_comm's value|, output and input gradient: above it, no timing verdict
+
+
+def _adapter(name):
+    """A known adapter by name, or any importable module (dotted path) with the same four names."""
+    return importlib.import_module(name if "." in name else f"peer_adapters.{name}")
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def _max_over_ranks(v: float) -> float:
+    t = torch.tensor([v], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _step(layer, x):
+    layer(x).square().mean().backward()
+
+
+def _cross_check(ref, peer, x):
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ya, yb = ref(xa), peer(xb)
+    ya.square().mean().backward()
+    yb.square().mean().backward()
+    y_rel = _max_over_ranks((ya - yb).abs().max().item()) / _max_over_ranks(ya.abs().max().item())
+    dx_rel = _max_over_ranks((xa.grad - xb.grad).abs().max().item()) / _max_over_ranks(xa.grad.abs().max().item())
+    return {"y_rel_diff": y_rel, "dx_rel_diff": dx_rel, "agrees": max(y_rel, dx_rel) <= AGREE}
+
+
+def _shape_main(rank, W, a, shape):
+    T, H, F, E, K = shape
+    cfg = moe_comm.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=K, score_func="softmax",
+                             norm_topk_prob=True)
+    ref = moe_comm.MoELayer(cfg, seed=1)
+    layers = {"moe_comm": ref}
+    for name in a["peers"]:
+        m = _adapter(name)
+        layers[m.NAME] = m.build(ref, dist.group.WORLD)
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(T, H, generator=g)
+    checks = {name: _cross_check(ref, layer, x) for name, layer in layers.items() if layer is not ref}
+
+    # The bare expert GEMMs on this rank's received rows (the same rows every layer's experts get).
+    with torch.no_grad():
+        handle = ref.dispatcher.dispatch(x, ref.router(x).topk_idx_TK).handle
+    plan = handle.chunks[0]
+    rows = torch.randn(plan.num_recv, H, requires_grad=True)
+    layers["bare GEMMs"] = lambda _x: ref.experts(rows, plan.tokens_per_expert_e, counts=plan.counts_e)
+
+    xs = x.clone().requires_grad_(True)
+    times = {name: [] for name in layers}
+    for i in range(a["warmup"] + a["repeats"]):
+        for name, layer in layers.items():
+            t = _timed(lambda: _step(layer, xs))
+            if i >= a["warmup"]:
+                times[name].append(_max_over_ranks(t))
+    bare = times["bare GEMMs"]
+    over = {n: [s - b for s, b in zip(times[n], bare)] for n in layers if n != "bare GEMMs"}
+    out = {"shape": {"T": T, "H": H, "F": F, "E": E, "K": K}, "world_size": W, "bare_gemm_s": statistics.median(bare),
+           "layers": {}}
+    for n in over:
+        entry = {"step_s": statistics.median(times[n]), "overhead_s": statistics.median(over[n])}
+        if n != "moe_comm":
+            entry["check"] = checks[n]
+            entry["ours_over_theirs"] = statistics.median(o / p for o, p in zip(over["moe_comm"], over[n]))
+            entry["pass"] = checks[n]["agrees"] and entry["ours_over_theirs"] <= GOAL
+        out["layers"][n] = entry
+    return out
+
+
+def _rank_main(rank, W, a):
+    warnings.filterwarnings("ignore")  # peers warn about missing CUDA extensions, CPU autocast, ...
+    torch.manual_seed(0)
+    return {"shapes": [_shape_main(rank, W, a, tuple(s)) for s in a["shapes"]]}
+
+
+def _parse_shape(s):
+    parts = [int(v) for v in s.lower().split("x")]
+    if len(parts) != 5:
+        raise argparse.ArgumentTypeError(f"--shapes: {s!r} is not TxHxFxExK")
+    return parts
+
+
+def _print(results):
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="MoE layer fwd+bwd, C = 1: overhead = step - bare expert GEMMs "
+                    f"(goal: moe_comm <= {GOAL} x each peer)")
+    for col in ("W", "T x H x F x E x K", "layer", "step ms", "overhead ms", "ours/theirs (paired)",
+                "max |dy| / max |y|", "max |dx| / max |x.grad|"):
+        t.add_column(col, justify="right")
+    for res in results:
+        for s in res["shapes"]:
+            sh = "x".join(str(s["shape"][k]) for k in "THFEK")
+            t.add_row(str(s["world_size"]), sh, "bare GEMMs", f"{s['bare_gemm_s'] * 1e3:.1f}", "", "", "", "")
+            for n, e in s["layers"].items():
+                c = e.get("check")
+                verdict = "" if not c else "MISMATCH" if not c["agrees"] else "ok" if e["pass"] else "MISS"
+                ratio = f"{e['ours_over_theirs']:.2f} {verdict}" if c else ""
+                t.add_row("", "", n, f"{e['step_s'] * 1e3:.1f}", f"{e['overhead_s'] * 1e3:.1f}", ratio,
+                          f"{c['y_rel_diff']:.1e}" if c else "", f"{c['dx_rel_diff']:.1e}" if c else "")
+    Console(width=160).print(t)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-sizes", default="2,4")
+    p.add_argument("--shapes", default="1024x512x256x8x2,2048x512x512x8x2,1024x1024x512x16x2",
+                   help="comma list of TxHxFxExK")
+    p.add_argument("--peers", default=",".join(ADAPTERS),
+                   help="comma list of adapters to try: known names, or dotted module paths of your own adapters "
+                        "(see benchmarks/peer_adapters/__init__.py)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--json", default=None)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: W,outfile
+    a = p.parse_args(argv)
+    params = {"shapes": [_parse_shape(s) for s in a.shapes.split(",")], "warmup": a.warmup, "repeats": a.repeats,
+              "peers": [n for n in a.peers.split(",") if n]}
+    if a.worker:
+        return json_worker_main(a.worker, _rank_main, params)
+    unknown = [n for n in params["peers"] if n not in ADAPTERS and "." not in n]
+    if unknown:
+        p.error(f"--peers: unknown {unknown}; known: {', '.join(ADAPTERS)}, or a dotted module path")
+    ready = []
+    for name in params["peers"]:
+        m = _adapter(name)
+        why = m.missing()
+        if why:
+            print(f"skipping {m.NAME}: {why}\n  to run it: {m.INSTALL}")
+        else:
+            ready.append(name)
+    if not ready:
+        print("no peer is installed: nothing to compare", file=sys.stderr)
+        return 1
+    argv = [v for v in (argv if argv is not None else sys.argv[1:])]
+    argv = _without(argv, "--peers") + ["--peers", ",".join(ready)]
+    results = []
+    for W in (int(w) for w in a.world_sizes.split(",")):
+        try:
+            results.append(run_json_worker(__file__, argv, W, "loopback"))
+        except RuntimeError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+    _print(results)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"results": results, "goal_ours_over_theirs": GOAL, "agree_tolerance": AGREE}, f, indent=1)
+    bad = sorted({n for res in results for s in res["shapes"] for n, e in s["layers"].items()
+                  if "check" in e and not e["check"]["agrees"]})
+    if bad:
+        print(f"error: {', '.join(bad)} computed another function than moe_comm (relative difference above "
+              f"{AGREE:g}): their timings compare nothing", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _without(argv, flag):
+    """argv without ``flag`` and its value (either ``--flag v`` or ``--flag=v``)."""
+    out, skip = [], False
+    for v in argv:
+        if skip:
+            skip = False
+        elif v == flag:
+            skip = True
+        elif not v.startswith(flag + "="):
+            out.append(v)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
