@@ -27,7 +27,6 @@ import json
 import os
 import statistics
 import sys
-import time
 import warnings
 
 import torch
@@ -38,6 +37,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import moe_comm  # noqa: E402
+from moe_comm.tools.bench import timed  # noqa: E402
 from moe_comm.tools.slow_link import json_worker_main, run_json_worker  # noqa: E402
 
 ADAPTERS = ("torchtitan_moe", "deepspeed_moe", "megatron_moe")
@@ -48,14 +48,6 @@ AGREE = 1e-5  # max |difference| / max |moe_comm's value|, output and input grad
 def _adapter(name):
     """A known adapter by name, or any importable module (dotted path) with the same four names."""
     return importlib.import_module(name if "." in name else f"peer_adapters.{name}")
-
-
-def _timed(fn) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - t0
 
 
 def _max_over_ranks(v: float) -> float:
@@ -83,10 +75,13 @@ def _shape_main(rank, W, a, shape):
     cfg = moe_comm.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=K, score_func="softmax",
                              norm_topk_prob=True)
     ref = moe_comm.MoELayer(cfg, seed=1)
-    layers = {"moe_comm": ref}
+    layers, skipped = {"moe_comm": ref}, {}
     for name in a["peers"]:
         m = _adapter(name)
-        layers[m.NAME] = m.build(ref, dist.group.WORLD)
+        try:  # an adapter refuses a configuration it cannot compute (on every rank, before any collective)
+            layers[m.NAME] = m.build(ref, dist.group.WORLD)
+        except (ValueError, NotImplementedError) as err:
+            skipped[m.NAME] = f"{type(err).__name__}: {err}"
     g = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(T, H, generator=g)
     checks = {name: _cross_check(ref, layer, x) for name, layer in layers.items() if layer is not ref}
@@ -104,13 +99,13 @@ def _shape_main(rank, W, a, shape):
     for i in range(a["warmup"] + a["repeats"]):
         for name in names[i % len(names):] + names[:i % len(names)]:  # rotated: no layer always runs first
             layer = layers[name]
-            t = _timed(lambda: _step(layer, xs))
+            t = timed(lambda: _step(layer, xs), None)
             if i >= a["warmup"]:
                 times[name].append(_max_over_ranks(t))
     bare = times["bare GEMMs"]
     over = {n: [s - b for s, b in zip(times[n], bare)] for n in layers if n != "bare GEMMs"}
     out = {"shape": {"T": T, "H": H, "F": F, "E": E, "K": K}, "world_size": W, "bare_gemm_s": statistics.median(bare),
-           "layers": {}}
+           "layers": {}, "skipped": skipped}
     for n in over:
         entry = {"step_s": statistics.median(times[n]), "overhead_s": statistics.median(over[n])}
         if n != "moe_comm":
@@ -127,11 +122,20 @@ def _rank_main(rank, W, a):
     return {"shapes": [_shape_main(rank, W, a, tuple(s)) for s in a["shapes"]]}
 
 
-def _parse_shape(s):
-    parts = [int(v) for v in s.lower().split("x")]
-    if len(parts) != 5:
-        raise argparse.ArgumentTypeError(f"--shapes: {s!r} is not TxHxFxExK")
-    return parts
+def _parse_shapes(p, text, world_sizes):
+    shapes = []
+    for s in text.split(","):
+        try:
+            parts = [int(v) for v in s.lower().split("x")]
+        except ValueError:
+            parts = []
+        if len(parts) != 5 or min(parts) < 1:
+            p.error(f"--shapes: {s!r} is not TxHxFxExK (five positive integers)")
+        bad = [W for W in world_sizes if parts[3] % W]
+        if bad:
+            p.error(f"--shapes: {s!r}: E = {parts[3]} experts do not split over world size {bad[0]}")
+        shapes.append(parts)
+    return shapes
 
 
 def _print(results):
@@ -147,6 +151,8 @@ def _print(results):
         for s in res["shapes"]:
             sh = "x".join(str(s["shape"][k]) for k in "THFEK")
             t.add_row(str(s["world_size"]), sh, "bare GEMMs", f"{s['bare_gemm_s'] * 1e3:.1f}", "", "", "", "")
+            for n, why in s["skipped"].items():
+                t.add_row("", "", n, "-", "-", f"skipped: {why}", "", "")
             for n, e in s["layers"].items():
                 c = e.get("check")
                 verdict = "" if not c else "MISMATCH" if not c["agrees"] else "ok" if e["pass"] else "MISS"
@@ -169,7 +175,15 @@ def main(argv=None):
     p.add_argument("--json", default=None)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: W,outfile
     a = p.parse_args(argv)
-    params = {"shapes": [_parse_shape(s) for s in a.shapes.split(",")], "warmup": a.warmup, "repeats": a.repeats,
+    try:
+        world_sizes = [int(w) for w in a.world_sizes.split(",")]
+    except ValueError:
+        world_sizes = []
+    if a.repeats < 1 or a.warmup < 0:
+        p.error(f"--repeats must be >= 1 and --warmup >= 0, got {a.repeats} and {a.warmup}")
+    if not world_sizes or min(world_sizes) < 2:
+        p.error(f"--world-sizes: {a.world_sizes!r} is not a comma list of integers >= 2")
+    params = {"shapes": _parse_shapes(p, a.shapes, world_sizes), "warmup": a.warmup, "repeats": a.repeats,
               "peers": [n for n in a.peers.split(",") if n]}
     if a.worker:
         return json_worker_main(a.worker, _rank_main, params)
@@ -190,7 +204,7 @@ def main(argv=None):
     argv = [v for v in (argv if argv is not None else sys.argv[1:])]
     argv = _without(argv, "--peers") + ["--peers", ",".join(ready)]
     results = []
-    for W in (int(w) for w in a.world_sizes.split(",")):
+    for W in world_sizes:
         try:
             results.append(run_json_worker(__file__, argv, W, "loopback"))
         except RuntimeError as err:

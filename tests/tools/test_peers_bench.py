@@ -33,6 +33,8 @@ def missing():
 
 
 def build(ref, group):
+    if ref.cfg.top_k != 2:
+        raise ValueError("this adapter computes top-2 routing only")
     layer = moe_comm.MoELayer(dataclasses.replace(ref.cfg, dedup=True), group)  # another path: one copy per rank
     with torch.no_grad():
         layer.router.weight.copy_(ref.router.weight)
@@ -57,7 +59,7 @@ def test_peers_bench_cross_checks_times_and_flags_a_peer_computing_another_funct
     (pkg / "same.py").write_text(textwrap.dedent(ADAPTER.format(name="same", shift=0.0)))
     (pkg / "other.py").write_text(textwrap.dedent(ADAPTER.format(name="other", shift=0.5)))
     path = tmp_path / "peers.json"
-    proc = _run(["--world-sizes", "2", "--shapes", "64x32x48x4x2", "--warmup", "1", "--repeats", "3",
+    proc = _run(["--world-sizes", "2", "--shapes", "64x32x48x4x2,32x32x48x4x1", "--warmup", "1", "--repeats", "3",
                  "--peers", "my_peers.same,my_peers.other", "--json", str(path)], tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, f"exit code {proc.returncode}:\n{out[-4000:]}"
@@ -65,7 +67,10 @@ def test_peers_bench_cross_checks_times_and_flags_a_peer_computing_another_funct
     assert "MISMATCH" in proc.stdout
     res = json.loads(path.read_text())
     (run,) = res["results"]
-    (shape,) = run["shapes"]
+    shape, top1 = run["shapes"]
+    assert set(top1["layers"]) == {"moe_comm"} and top1["layers"]["moe_comm"]["step_s"] > 0
+    assert top1["skipped"] == {n: "ValueError: this adapter computes top-2 routing only" for n in ("same", "other")}
+    assert shape["skipped"] == {}
     assert shape["shape"] == {"T": 64, "H": 32, "F": 48, "E": 4, "K": 2} and shape["world_size"] == 2
     assert shape["bare_gemm_s"] > 0
     layers = shape["layers"]
@@ -99,9 +104,19 @@ def test_peer_adapters_follow_the_contract(adapter):
     assert callable(m.build)
 
 
-def test_unknown_peer_is_an_argument_error(tmp_path):
-    proc = _run(["--peers", "nosuchpeer"], tmp_path)
-    assert proc.returncode == 2 and "--peers: unknown ['nosuchpeer']" in proc.stderr
+@pytest.mark.parametrize("args, message", [
+    (["--peers", "nosuchpeer"], "--peers: unknown ['nosuchpeer']"),
+    (["--shapes", "64x32"], "--shapes: '64x32' is not TxHxFxExK"),
+    (["--shapes", "64x32x48x6x2", "--world-sizes", "2,4"], "E = 6 experts do not split over world size 4"),
+    (["--world-sizes", "1"], "--world-sizes: '1' is not a comma list of integers >= 2"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+])
+def test_bad_arguments_are_named(capsys, args, message):
+    peers = importlib.import_module("peers")
+    with pytest.raises(SystemExit) as exit_:
+        peers.main(args)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err, err
 
 
 @pytest.fixture(autouse=True)
