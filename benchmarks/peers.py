@@ -2,7 +2,8 @@
 
 Runs whichever peers are installed (it installs nothing; each adapter in ``benchmarks/peer_adapters/`` names
 its pip line): torchtitan, DeepSpeed-MoE, Megatron-Core. Every layer gets the weights of one moe_comm layer
-(softmax top-k routing, renormalised, dropless, SwiGLU experts, float32), so all compute the same function:
+(softmax top-k routing, renormalised, dropless, SwiGLU experts, float32; moe_comm with its defaults, C = 1),
+so all compute the same function:
 - cross-check: each peer's output and input gradient against moe_comm's on the same tokens (max |difference|
   over every rank / max |moe_comm's value|); above 1e-5 the peer computes another function: it is marked
   MISMATCH and the run exits 1;
