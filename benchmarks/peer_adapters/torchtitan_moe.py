@@ -29,17 +29,6 @@ def missing():
     return None
 
 
-class _Fp32Experts(nn.Module):
-    """torchtitan's inner-experts seam: forward(rows_RD, counts_e) -> [R, D], on moe_comm's experts."""
-
-    def __init__(self, experts):
-        super().__init__()
-        self.experts = experts
-
-    def forward(self, x_RD, num_tokens_per_expert_e):
-        return self.experts(x_RD, num_tokens_per_expert_e)
-
-
 class _Layer(nn.Module):
     def __init__(self, moe):
         super().__init__()
@@ -75,7 +64,7 @@ def build(ref, group):
         moe.router.gate.weight.copy_(ref.router.weight)
         for name in ("w1", "w3", "w2"):
             getattr(experts, name).copy_(getattr(ref.experts, name))
-    moe.routed_experts.inner_experts = _Fp32Experts(experts)
+    moe.routed_experts.inner_experts = experts  # the same call: (rows_RD, tokens per local expert) -> [R, D]
     ranks = dist.get_process_group_ranks(group)
     mesh = DeviceMesh.from_group(group, "cpu", mesh=torch.tensor(ranks))
     moe.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
