@@ -676,7 +676,7 @@ def sec_experts(ctx: Ctx, rec: Record) -> None:
     w2, with experts that receive no rows: torch._grouped_mm (where ``_use_grouped_mm`` holds: CUDA bf16
     sm90+, CPU), the per-expert loop, the grouped path against the loop, and GroupedExperts.forward plain
     and with NaN padding rows (the sync-free dispatch's input)."""
-    from moe_comm.modules.experts import GroupedExperts, _GroupedSwiGLU, _LoopSwiGLU, _use_grouped_mm, swiglu
+    from moe_comm.modules.experts import GroupedExperts, _blocks, _GroupedSwiGLU, _LoopSwiGLU, _use_grouped_mm, swiglu
 
     if ctx.cuda:
         e, H, F, counts = 8, 2048, 1408, [2048, 0, 1500, 1, 3000, 0, 643, 1000]
@@ -726,7 +726,7 @@ def sec_experts(ctx: Ctx, rec: Record) -> None:
             return got
 
         with rec.step(f"loop {dn}"):
-            loop = run(lambda x, w1, w3, w2: _LoopSwiGLU.apply(x, w1, w3, w2, counts), "loop")
+            loop = run(lambda x, w1, w3, w2: _LoopSwiGLU.apply(x, w1, w3, w2, _blocks(counts)), "loop")
         probe = [t.to(dtype).to(ctx.device) for t in [x64] + w64]
         if _use_grouped_mm(*probe):
             with rec.step(f"grouped_mm {dn}"):

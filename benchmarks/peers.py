@@ -13,6 +13,9 @@ so all compute the same function:
 - overhead = step - bare GEMMs of the same repeat: routing, permutation, communication and bookkeeping
   (and, for a peer whose experts run padded rows, that padding). The verdict is moe_comm's median overhead /
   each peer's (goal <= 0.5). The order of the layers rotates from one repeat to the next.
+- the communication floor: the same rows moved by four plain ``all_to_all_single`` calls (to the experts and
+  back, forward and backward), timed in the same rotation. Every dropless layer moves at least these bytes at
+  C = 1, so "floor" = that time / a peer's overhead is the lowest ours/theirs any such layer could reach.
 
     python benchmarks/peers.py                                   # W = 2 and 4, default shapes
     python benchmarks/peers.py --world-sizes 2 --shapes 1024x512x256x8x2 --json out.json
@@ -43,6 +46,7 @@ from moe_comm.tools.slow_link import json_worker_main, run_json_worker  # noqa: 
 
 ADAPTERS = ("torchtitan_moe", "deepspeed_moe", "megatron_moe")
 GOAL = 0.5  # moe_comm's overhead <= 0.5 x each peer's
+BARE, RAW = "bare GEMMs", "4 x raw all-to-all"
 AGREE = 1e-5  # max |difference| / max |moe_comm's value|, output and input gradient: above it, no timing verdict
 
 
@@ -92,26 +96,37 @@ def _shape_main(rank, W, a, shape):
         handle = ref.dispatcher.dispatch(x, ref.router(x).topk_idx_TK).handle
     plan = handle.chunks[0]
     rows = torch.randn(plan.num_recv, H, requires_grad=True)
-    layers["bare GEMMs"] = lambda _x: ref.experts(rows, plan.tokens_per_expert_e, counts=plan.counts_e)
+    steps = {name: (lambda layer=layer: _step(layer, xs)) for name, layer in layers.items()}
+    steps[BARE] = lambda: _step(lambda _x: ref.experts(rows, plan.tokens_per_expert_e, counts=plan.counts_e), None)
+    # The communication floor: the same rows moved as every dropless layer moves them at C = 1 (to the
+    # experts and back, forward and backward), with nothing else.
+    send, recv = torch.randn(plan.num_rows, H), torch.empty(plan.num_recv, H)
+
+    def raw_a2a():
+        for _ in range(2):
+            dist.all_to_all_single(recv, send, plan.recv_splits_W, plan.send_splits_W)
+            dist.all_to_all_single(send, recv, plan.send_splits_W, plan.recv_splits_W)
+
+    steps[RAW] = raw_a2a
 
     xs = x.clone().requires_grad_(True)
-    times = {name: [] for name in layers}
-    names = list(layers)
+    times = {name: [] for name in steps}
+    names = list(steps)
     for i in range(a["warmup"] + a["repeats"]):
-        for name in names[i % len(names):] + names[:i % len(names)]:  # rotated: no layer always runs first
-            layer = layers[name]
-            t = timed(lambda: _step(layer, xs), None)
+        for name in names[i % len(names):] + names[:i % len(names)]:  # rotated: no step always runs first
+            t = timed(steps[name], None)
             if i >= a["warmup"]:
                 times[name].append(_max_over_ranks(t))
-    bare = times["bare GEMMs"]
-    over = {n: [s - b for s, b in zip(times[n], bare)] for n in layers if n != "bare GEMMs"}
+    bare, raw = times[BARE], statistics.median(times[RAW])
+    over = {n: [s - b for s, b in zip(times[n], bare)] for n in layers}
     out = {"shape": {"T": T, "H": H, "F": F, "E": E, "K": K}, "world_size": W, "bare_gemm_s": statistics.median(bare),
-           "layers": {}, "skipped": skipped}
+           "raw_a2a_s": raw, "layers": {}, "skipped": skipped}
     for n in over:
         entry = {"step_s": statistics.median(times[n]), "overhead_s": statistics.median(over[n])}
         if n != "moe_comm":
             entry["check"] = checks[n]
             entry["ours_over_theirs"] = statistics.median(over["moe_comm"]) / statistics.median(over[n])
+            entry["floor_ratio"] = raw / statistics.median(over[n])  # the lowest ours/theirs moving these rows
             entry["pass"] = checks[n]["agrees"] and entry["ours_over_theirs"] <= GOAL
         out["layers"][n] = entry
     return out
@@ -151,13 +166,14 @@ def _print(results):
     for res in results:
         for s in res["shapes"]:
             sh = "x".join(str(s["shape"][k]) for k in "THFEK")
-            t.add_row(str(s["world_size"]), sh, "bare GEMMs", f"{s['bare_gemm_s'] * 1e3:.1f}", "", "", "", "")
+            t.add_row(str(s["world_size"]), sh, BARE, f"{s['bare_gemm_s'] * 1e3:.1f}", "", "", "", "")
+            t.add_row("", "", RAW, f"{s['raw_a2a_s'] * 1e3:.1f}", "", "", "", "")
             for n, why in s["skipped"].items():
                 t.add_row("", "", n, "-", "-", f"skipped: {why}", "", "")
             for n, e in s["layers"].items():
                 c = e.get("check")
                 verdict = "" if not c else "MISMATCH" if not c["agrees"] else "ok" if e["pass"] else "MISS"
-                ratio = f"{e['ours_over_theirs']:.2f} {verdict}" if c else ""
+                ratio = f"{e['ours_over_theirs']:.2f} {verdict} (floor {e['floor_ratio']:.2f})" if c else ""
                 t.add_row("", "", n, f"{e['step_s'] * 1e3:.1f}", f"{e['overhead_s'] * 1e3:.1f}", ratio,
                           f"{c['y_rel_diff']:.1e}" if c else "", f"{c['dx_rel_diff']:.1e}" if c else "")
     Console(width=160).print(t)

@@ -176,12 +176,18 @@ def choose_num_chunks(expert_s: float, nbytes: float, alpha: float, beta: float,
                         bytes_per_a2a=int(nbytes), predicted_s=pred, reason=reason)
 
 
-def call_expert_fn(expert_fn, tokens_RH: torch.Tensor, tokens_per_expert_e: torch.Tensor, counts_e) -> torch.Tensor:
+def call_expert_fn(expert_fn, tokens_RH: torch.Tensor, tokens_per_expert_e: torch.Tensor, counts_e,
+                   segments=None) -> torch.Tensor:
     """``expert_fn(tokens_RH, tokens_per_expert_e)`` (plus ``counts=`` the host list when the function
     has ``wants_host_counts = True``); its result must be [R, H] like tokens_RH. counts_e None (sync-free
     mode): rows past tokens_per_expert_e.sum() are padding; a function with ``supports_padded = True`` is
-    told so with ``padded=True`` (and must not read the counts on the host)."""
-    if counts_e is None:
+    told so with ``padded=True`` (and must not read the counts on the host). ``segments``: the rows are in
+    (source rank, local expert) blocks, not expert-major; given only to a function whose
+    ``prefers_segments(block_rows, device)`` chose them, as ``segments=`` [(local expert, first row, rows),
+    ...] instead of counts."""
+    if segments is not None:
+        out_RH = expert_fn(tokens_RH, tokens_per_expert_e, segments=segments)
+    elif counts_e is None:
         padded = {"padded": True} if getattr(expert_fn, "supports_padded", False) else {}
         out_RH = expert_fn(tokens_RH, tokens_per_expert_e, **padded)
     elif getattr(expert_fn, "wants_host_counts", False):

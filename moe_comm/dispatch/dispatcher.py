@@ -283,9 +283,11 @@ class Dispatcher:
                                                          top_k), dynamic=dynamic, slots_WS=slots_WS)
         return pending, layout
 
-    def _close(self, pending, layout, C: int, hidden: int, pieces: int = 1) -> DispatchHandle:
+    def _close(self, pending, layout, C: int, hidden: int, pieces: int = 1, expert_fn=None) -> DispatchHandle:
         """Read the control exchange (raises on every rank alike), build the chunk plans, pick the transport.
-        ``pieces``: as given to ``_open``; the counts are per piece."""
+        ``pieces``: as given to ``_open``; the counts are per piece. ``expert_fn``: the experts of a pipelined
+        call; where they take the all-to-all's rows as they arrive (``rank_major_pays``), no regroup (a
+        choice of this rank alone: it changes only where its received rows sit)."""
         with self.workspace.dropped_on_error():  # a failed exchange may leave transfers of this rank in flight
             sent, rows = self.channel.end(pending)
         W, e = self.world_size, self.num_local_experts
@@ -312,8 +314,14 @@ class Dispatcher:
         else:
             send_WCe, recv_WCe = [counts(r) for r in sent], [counts(r) for r in rows]
             kind = choose(W, e, C, [r[Word.ROWS] for r in rows], row_bytes, self.direct_min_bytes)
-            chunks = build_chunk_plans(send_WCe, recv_WCe, recv_counts_WCe, regroup=kind.regroups and e > 1,
-                                       call=pending.call)
+            regroup = kind.regroups and e > 1
+            if regroup and expert_fn is not None:
+                block_rows = sum(sum(sum(x) for x in per_c) for per_c in recv_WCe) / (W * e * C)
+                rank_major = rank_major_pays(expert_fn, block_rows, self.channel.device)
+            else:
+                rank_major = False
+            chunks = build_chunk_plans(send_WCe, recv_WCe, recv_counts_WCe, regroup=regroup, call=pending.call,
+                                       rank_major=rank_major)
         layout.set_num_rows(sum(sum(sum(x) for x in per_c) for per_c in send_WCe))
         self.last_transport = kind.name
         slots = sum(sum(sum(x) for x in counts(r)) for r in sent)
@@ -458,7 +466,10 @@ class Dispatcher:
             x_TH, topk_idx_TK, topk_weight_TK: as in ``dispatch`` and ``combine``.
             expert_fn: ``expert_fn(tokens_RH, tokens_per_expert_e) -> [R, H]`` on expert-major rows;
                 any differentiable function. If it has ``wants_host_counts = True`` it is also given
-                ``counts=`` (the host list of tokens_per_expert, already known: no extra sync).
+                ``counts=`` (the host list of tokens_per_expert, already known: no extra sync). If it has a
+                ``prefers_segments(block_rows, device)`` method returning True for this call's mean rows per
+                (source rank, local expert) block, it gets the all-to-all's rows as they arrive, in such
+                blocks, with ``segments=`` [(local expert, first row, rows), ...] instead (no regroup pass).
             num_chunks: overrides the Dispatcher's C for this call (every rank must pass the same: a
                 mismatch raises on every rank).
             side_fn: optional work run while the first dispatch is in flight (shared experts); when
@@ -497,7 +508,7 @@ class Dispatcher:
         with self.timeline.compute("permute"):  # while the control exchange travels
             send_NB, fill = send_rows.presend(self, x_TH, layout, pieces=pieces,
                                               fresh=self.world_size == 1 and self.dispatch_dtype is None)
-        handle = self._close(pending, layout, C, x_TH.shape[1], pieces)
+        handle = self._close(pending, layout, C, x_TH.shape[1], pieces, expert_fn=expert_fn)
         wire_NB = send_NB.narrow(0, 0, handle.layout.num_rows)
         # one copy per rank: the slot weights travel with the rows (the experts' ranks apply them), in float32
         # (float64 stays float64); else y_NH is saved for backward when the weights need grad at the unpermute
@@ -553,6 +564,14 @@ def check_weights(topk_weight_TK, shape, device) -> None:
     """topk_weight_TK: [T, K] float on the tokens' device (the routing's shape)."""
     check_tensor("topk_weight_TK", topk_weight_TK, shape=list(shape),
                  dtypes=(torch.float32, torch.float64, torch.float16, torch.bfloat16), device=device)
+
+
+def rank_major_pays(expert_fn, block_rows: float, device: torch.device) -> bool:
+    """The experts take this call's rows in (source rank, local expert) blocks of ``block_rows`` mean rows,
+    without the regroup pass each way (forward and backward): asked of an expert_fn with a
+    ``prefers_segments(block_rows, device)`` method (GroupedExperts), which knows its GEMMs' shapes."""
+    pick = getattr(expert_fn, "prefers_segments", None)
+    return callable(pick) and pick(block_rows, device) is True
 
 
 def check_call_args(x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn) -> None:

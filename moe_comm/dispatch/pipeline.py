@@ -259,8 +259,9 @@ def _forward(run: _Run, src: Tuple[torch.Tensor, ...], x: torch.Tensor) -> torch
                     out_RH = call_expert_fn(run.expert_fn, ops.permute(t_in, lay, backend=d.backend),
                                             p.tokens_per_expert_e, p.counts_e)
                     out_RH = ops.unpermute(out_RH.to(dtype), lay, w_in, backend=d.backend)
-                else:
-                    out_RH = call_expert_fn(run.expert_fn, t_in, p.tokens_per_expert_e, p.counts_e)
+                else:  # rank_major: the rows as the all-to-all delivered them, no regroup pass
+                    out_RH = call_expert_fn(run.expert_fn, t_in, p.tokens_per_expert_e, p.counts_e,
+                                            p.segments if p.rank_major else None)
             if run.measure:
                 run.expert_s += now(x.device) - t0
             if run.grad_enabled:

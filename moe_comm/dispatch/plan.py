@@ -5,7 +5,7 @@ Shapes legend: W EP world size, e local experts, C chunks, R rows received (per 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from einops import rearrange
@@ -23,12 +23,14 @@ class ChunkPlan:
     send_We / recv_We: rows per (rank, local expert) sent to / received from each rank (host ints).
     row_offset, num_rows: this chunk's slice of the permuted rows (sent side).
     expert_index_R: received row of each expert-major row; source_index_R its inverse (None when no
-        regroup is needed: e = 1, one rank, or the point-to-point transport).
+        regroup is needed: e = 1, one rank, the point-to-point transport, or ``rank_major``).
     tokens_per_expert_e: [e] int64 device tensor; counts_e the same on the host (None in sync-free mode:
         then the rows are padded to fixed sizes and only the device knows the counts).
     pieces: the plans of the consecutive token ranges whose rows move one after another, each in its own
         transfer, so the first moves while the next is permuted (``group_pieces``); None: one transfer.
         A piece's rows arrive at ``recv_offset`` of the chunk's received rows (piece-major, then source rank).
+    rank_major: the received rows stay in (source rank, local expert) blocks, as the all-to-all delivers
+        them (no regroup): for an expert_fn that takes ``segments`` (see ``segments``).
     """
 
     chunk: int
@@ -43,6 +45,22 @@ class ChunkPlan:
     pieces: Optional[List["ChunkPlan"]] = None
     piece: Optional[int] = None  # index among its chunk's pieces
     recv_offset: int = 0
+    rank_major: bool = False
+
+    @property
+    def segments(self) -> List[Tuple[int, int, int]]:
+        """(local expert, first row, rows) of every non-empty block of the received rows, in row order:
+        (source rank, local expert) blocks when ``rank_major``, else one block per expert. Host ints."""
+        if self.rank_major:
+            blocks = [(j, n) for row in self.recv_We for j, n in enumerate(row)]
+        else:
+            blocks = list(enumerate(self.counts_e))
+        out, start = [], 0
+        for j, n in blocks:
+            if n:
+                out.append((j, start, n))
+            start += n
+        return out
 
     @property
     def parts(self) -> List["ChunkPlan"]:
@@ -153,12 +171,14 @@ def padded_expert_major_index(counts_We: torch.Tensor, rows_per_rank: int):
 
 def build_chunk_plans(send_WCe: List[List[List[int]]], recv_WCe: List[List[List[int]]],
                       recv_counts_WCe: torch.Tensor, regroup: bool, call: int = 0,
-                      recv_slots_WCe: Optional[List[List[List[int]]]] = None) -> List[ChunkPlan]:
+                      recv_slots_WCe: Optional[List[List[List[int]]]] = None,
+                      rank_major: bool = False) -> List[ChunkPlan]:
     """Chunk plans from the host counts (sent and received, per rank, chunk, local expert) and the received
     slots per (rank, chunk, local expert) on the device (for tokens_per_expert and the regroup index without
     another sync). regroup: build the expert-major permutation (the all-to-all transport with W > 1 and
     e > 1). recv_slots_WCe: the same slots on the host when rows are not one per slot (one copy per rank:
-    send/recv_WCe then hold rows per (rank, chunk), one column)."""
+    send/recv_WCe then hold rows per (rank, chunk), one column). rank_major: no regroup, the experts take the
+    rows in (source rank, local expert) blocks (``ChunkPlan.segments``)."""
     W, C, e = recv_counts_WCe.shape
     slots_WCe = recv_WCe if recv_slots_WCe is None else recv_slots_WCe
     chunks, offset = [], 0
@@ -168,8 +188,9 @@ def build_chunk_plans(send_WCe: List[List[List[int]]], recv_WCe: List[List[List[
         counts_We = recv_counts_WCe[:, c, :]
         plan = ChunkPlan(chunk=c, call=call, send_We=send_We, recv_We=recv_We, row_offset=offset,
                          tokens_per_expert_e=counts_We.sum(0),
-                         counts_e=[sum(slots_WCe[w][c][j] for w in range(W)) for j in range(e)])
-        if regroup:
+                         counts_e=[sum(slots_WCe[w][c][j] for w in range(W)) for j in range(e)],
+                         rank_major=rank_major)
+        if regroup and not rank_major:
             plan.expert_index_R, plan.source_index_R = expert_major_index(counts_We, plan.num_recv)
         chunks.append(plan)
         offset += plan.num_rows

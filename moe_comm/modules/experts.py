@@ -241,31 +241,28 @@ def _padded_bmm_swiglu(x_RH, w1, w3, w2, tokens_per_expert_e) -> torch.Tensor:
 
 
 class _LoopSwiGLU(torch.autograd.Function):
-    """SwiGLU of every expert on its contiguous block of rows, with an explicit backward.
+    """SwiGLU of every expert on its blocks of rows, with an explicit backward.
 
+    segments: [(local expert, first row, rows), ...] covering the rows in order: one block per expert
+    (expert-major rows) or several (rows in (source rank, expert) blocks as an all-to-all delivers them).
     Autograd through ``w1[i]`` would materialise a zero-filled [e, F, H] gradient per expert per call
     (select's backward) and add them up: 3e full-size tensors per chunk. Here each weight gradient is
-    one [e, F, H] tensor whose slices the per-expert GEMMs write directly. Measured, 1 rank, 1 thread,
-    T=4096, H=F=512, E=4, K=2, layer forward+backward: C=1 481 -> 463 ms, C=8 535 -> 493 ms.
-    Activations h1, h3 are kept for backward; silu is recomputed.
+    one [e, F, H] tensor whose slices the per-block GEMMs write (the first block of an expert) or add to.
+    Measured, 1 rank, 1 thread, T=4096, H=F=512, E=4, K=2, layer forward+backward: C=1 481 -> 463 ms,
+    C=8 535 -> 493 ms. Activations h1, h3 are kept for backward; silu is recomputed.
     """
 
     @staticmethod
-    def forward(ctx, x_RH, w1, w3, w2, counts):
-        if sum(counts) != x_RH.shape[0] or len(counts) != w1.shape[0]:
-            raise ValueError(f"counts must hold e = {w1.shape[0]} row counts summing to R = {x_RH.shape[0]}, "
-                             f"got {counts}")
+    def forward(ctx, x_RH, w1, w3, w2, segments):
         out_RH = x_RH.new_empty(x_RH.shape)
-        h1s, h3s, start = [], [], 0
-        for i, n in enumerate(counts):
-            if n:
-                x = x_RH[start:start + n]
-                h1, h3 = x @ w1[i].t(), x @ w3[i].t()
-                torch.mm(F.silu(h1) * h3, w2[i].t(), out=out_RH[start:start + n])
-                h1s.append(h1)
-                h3s.append(h3)
-            start += n
-        ctx.counts = counts
+        h1s, h3s = [], []
+        for i, start, n in segments:
+            x = x_RH[start:start + n]
+            h1, h3 = x @ w1[i].t(), x @ w3[i].t()
+            torch.mm(F.silu(h1) * h3, w2[i].t(), out=out_RH[start:start + n])
+            h1s.append(h1)
+            h3s.append(h3)
+        ctx.segments = segments
         ctx.save_for_backward(x_RH, w1, w3, w2, *h1s, *h3s)
         ctx.weights = (w1, w3, w2)  # the inputs themselves: where deferred weight gradients go
         return out_RH
@@ -273,17 +270,13 @@ class _LoopSwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_RH):
         x_RH, w1, w3, w2, *acts = ctx.saved_tensors
-        counts = ctx.counts
-        used = sum(1 for n in counts if n)
-        h1s, h3s = acts[:used], acts[used:]
+        segments = ctx.segments
+        h1s, h3s = acts[:len(segments)], acts[len(segments):]
         g_RH = g_RH.contiguous()
         gx = torch.empty_like(x_RH) if ctx.needs_input_grad[0] else None
-        parts, start, k = [], 0, 0  # per expert with rows: what its weight gradients need
-        for i, n in enumerate(counts):
-            if not n:
-                continue
+        parts = []  # per block: what its weight gradients need
+        for (i, start, n), h1, h3 in zip(segments, h1s, h3s):
             x, g = x_RH[start:start + n], g_RH[start:start + n]
-            h1, h3 = h1s[k], h3s[k]
             sig = torch.sigmoid(h1)
             silu = h1 * sig
             ga = g @ w2[i]                                   # [n, F]
@@ -293,20 +286,21 @@ class _LoopSwiGLU(torch.autograd.Function):
                 torch.mm(gh1, w1[i], out=gx[start:start + n])
                 gx[start:start + n].addmm_(gh3, w3[i])
             parts.append((i, x, g, gh1, gh3, silu * h3))
-            start += n
-            k += 1
 
         def weight_grads(into=None):
             # into: (gw1, gw3, gw2) sums of earlier chunks (_wgrad.GradSums): added to by the GEMMs themselves
+            written = set()  # experts whose slices hold a block's gradient (the rest are 0 or earlier sums)
             if into is None:
                 gw1, gw3, gw2 = torch.zeros_like(w1), torch.zeros_like(w3), torch.zeros_like(w2)
             else:
                 gw1, gw3, gw2 = into
+                written = set(range(w1.shape[0]))
             for i, x, g, gh1, gh3, act in parts:
-                if into is None:
+                if i not in written:
                     torch.mm(g.t(), act, out=gw2[i])         # [H, F]
                     torch.mm(gh1.t(), x, out=gw1[i])         # [F, H]
                     torch.mm(gh3.t(), x, out=gw3[i])
+                    written.add(i)
                 else:
                     gw2[i].addmm_(g.t(), act)
                     gw1[i].addmm_(gh1.t(), x)
@@ -316,6 +310,34 @@ class _LoopSwiGLU(torch.autograd.Function):
         weight_grads.accumulates = True
 
         return _input_then_weight_grads(gx, weight_grads, ctx.weights) + (None,)
+
+
+def _blocks(counts: Sequence[int]) -> List[Tuple[int, int, int]]:
+    """Expert-major rows' segments: (expert, first row, rows) of every expert with rows."""
+    out, start = [], 0
+    for i, n in enumerate(counts):
+        if n:
+            out.append((i, start, int(n)))
+        start += n
+    return out
+
+
+def _check_segments(segments, rows: int, num_experts: int) -> List[Tuple[int, int, int]]:
+    """segments must cover rows 0..R-1 in order with blocks of known local experts."""
+    out, start = [], 0
+    try:
+        for i, first, n in segments:
+            if not (0 <= i < num_experts) or first != start or n < 0:
+                raise ValueError
+            if n:
+                out.append((int(i), int(first), int(n)))
+            start += n
+    except (TypeError, ValueError):
+        start = -1
+    if start != rows:
+        raise ValueError(f"segments must be (local expert < {num_experts}, first row, rows) blocks covering the "
+                         f"R = {rows} rows in order, got {list(segments)[:8]}")
+    return out
 
 
 class GroupedExperts(nn.Module):
@@ -353,6 +375,17 @@ class GroupedExperts(nn.Module):
     def num_local_experts(self) -> int:
         return self.w1.shape[0]
 
+    def prefers_segments(self, block_rows: float, device: torch.device) -> bool:
+        """Whether ``forward(..., segments=)`` on rows in (source rank, expert) blocks of ``block_rows`` mean
+        rows costs less than expert-major rows plus a regroup pass each way (the Dispatcher asks). CPU only
+        (on CUDA the grouped GEMM wants expert-major rows). Measured on CPU, 1 thread, fp32, forward +
+        backward, segments / (4 regroups + expert-major), R = 2048 unless said: blocks of 256 rows at
+        H x F = 512 x 256: 0.97 (W = 2 and 4); 512 rows at 512 x 512 (R = 4096): 0.95; 256 rows at 1024 x 512:
+        1.00; but 256 at 256 x 1024: 1.04, 128 at 512 x 512: 1.05, 128 at 1024 x 512: 1.06, 64 at 256 x 256
+        (R = 512): 1.11. Smaller blocks split each expert's GEMMs, most of all the weight gradients' (the rows
+        are their reduction), so: blocks of at least max(256, F / 2) rows."""
+        return device.type == "cpu" and block_rows >= max(256, self.w1.shape[1] / 2)
+
     @property
     def expert_ids(self) -> List[int]:
         return list(range(self.first_expert, self.first_expert + self.num_local_experts))
@@ -363,7 +396,8 @@ class GroupedExperts(nn.Module):
             _init_expert_(self.w1[i], self.w3[i], self.w2[i], torch.Generator().manual_seed(seed + g))
 
     def forward(self, tokens_RH: torch.Tensor, tokens_per_expert_e: torch.Tensor,
-                counts: Optional[List[int]] = None, padded: bool = False) -> torch.Tensor:
+                counts: Optional[List[int]] = None, padded: bool = False,
+                segments: Optional[Sequence[Tuple[int, int, int]]] = None) -> torch.Tensor:
         """tokens_RH: [R, H] expert-major rows; tokens_per_expert_e: [e] int64 -> [R, H].
 
         counts: host list equal to tokens_per_expert_e; without it the loop path reads the
@@ -372,23 +406,32 @@ class GroupedExperts(nn.Module):
         sync-free dispatch); nothing reads a tensor value on the host, forward or backward. Padding rows
         may hold anything, NaN included: their output rows are exactly 0 and they add nothing to any
         gradient (their input-gradient rows are 0). Takes no ``counts``.
+        segments: [(local expert, first row, rows), ...] covering the rows in order, when they are not
+        expert-major (the Dispatcher's all-to-all rows in (source rank, expert) blocks); host ints, so no
+        sync; always the per-block GEMM loop. Not with ``counts`` or ``padded``.
         Under ``torch.autocast`` the GEMMs run in the autocast dtype, as autocast runs a linear: rows and
         weights are cast to it (the weight gradients flow back to the parameters' dtype) and the output
         is in that dtype (the pipeline casts it to x's dtype for the wire).
         """
         if padded and counts is not None:
             raise ValueError("GroupedExperts: padded=True takes no host counts (the row count is on the device)")
+        if segments is not None:
+            if padded or counts is not None:
+                raise ValueError("GroupedExperts: segments= is given instead of counts= and padded=True")
+            segments = _check_segments(segments, tokens_RH.shape[0], self.num_local_experts)
         w1, w3, w2 = self.w1, self.w3, self.w2
         amp_dtype = _autocast_dtype(tokens_RH)
         if amp_dtype is not None:
             device_type = tokens_RH.device.type
             with torch.autocast(device_type, enabled=False):  # the explicit casts below are the whole policy
                 return self._compute(tokens_RH.to(amp_dtype), w1.to(amp_dtype), w3.to(amp_dtype),
-                                     w2.to(amp_dtype), tokens_per_expert_e, counts, padded)
-        return self._compute(tokens_RH, w1, w3, w2, tokens_per_expert_e, counts, padded)
+                                     w2.to(amp_dtype), tokens_per_expert_e, counts, padded, segments)
+        return self._compute(tokens_RH, w1, w3, w2, tokens_per_expert_e, counts, padded, segments)
 
     @staticmethod
-    def _compute(x_RH, w1, w3, w2, tokens_per_expert_e, counts, padded) -> torch.Tensor:
+    def _compute(x_RH, w1, w3, w2, tokens_per_expert_e, counts, padded, segments=None) -> torch.Tensor:
+        if segments is not None:
+            return _LoopSwiGLU.apply(x_RH, w1, w3, w2, segments)
         if counts is not None and (sum(counts) != x_RH.shape[0] or len(counts) != w1.shape[0]):
             raise ValueError(f"counts must hold e = {w1.shape[0]} row counts summing to R = {x_RH.shape[0]}, "
                              f"got {counts}")
@@ -398,7 +441,7 @@ class GroupedExperts(nn.Module):
             return _padded_bmm_swiglu(x_RH, w1, w3, w2, tokens_per_expert_e)
         if counts is None:
             counts = tokens_per_expert_e.tolist()  # host sync: loop bounds (free on CPU tensors)
-        return _LoopSwiGLU.apply(x_RH, w1, w3, w2, list(counts))
+        return _LoopSwiGLU.apply(x_RH, w1, w3, w2, _blocks(counts))
 
     # state_dict keyed by global expert id ------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):

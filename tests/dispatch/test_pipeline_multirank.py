@@ -107,3 +107,57 @@ def test_layer_with_shared_experts_same_for_every_chunk_count(ranks):
         for C in (2, 5):
             for got, ref in zip(r[C], r[1]):
                 assert _max_rel(got, ref) <= 1e-5
+
+
+class _Experts(moe_comm.GroupedExperts):
+    """GroupedExperts that takes the all-to-all's rows in (source rank, expert) blocks when told to, and
+    records what each call got."""
+
+    def __init__(self, *args, rank_major, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rank_major, self.calls = rank_major, []
+
+    def prefers_segments(self, block_rows, device):
+        return self.rank_major
+
+    def forward(self, tokens_RH, tokens_per_expert_e, counts=None, padded=False, segments=None):
+        self.calls.append("segments" if segments is not None else "counts")
+        return super().forward(tokens_RH, tokens_per_expert_e, counts=counts, padded=padded, segments=segments)
+
+
+def _rank_rank_major(rank, world_size, E, K, T, skew, C):
+    from moe_comm.profiling import Timeline
+
+    out = {}
+    for rank_major in (False, True):
+        x, idx, w = _data(rank, world_size, 7, E, K, T, 0 if skew else None, True)
+        x.requires_grad_(True)
+        w.requires_grad_(True)
+        ex = _Experts(E // world_size, H, 6, first_expert=rank * E // world_size, seed=3,
+                      rank_major=rank_major).double()
+        d = moe_comm.Dispatcher(num_experts=E, num_chunks=C, direct_min_bytes=1 << 40)  # the all-to-all
+        d.timeline = Timeline(rank=rank, enabled=True)
+        y = d(x, idx, w, ex)
+        (y * torch.arange(1, H + 1, dtype=torch.float64)).sum().backward()
+        regroups = sum(s.phase == "regroup" for s in d.timeline.spans())
+        out[rank_major] = (y.detach(), x.grad, w.grad, ex.w1.grad, ex.w3.grad, ex.w2.grad, set(ex.calls), regroups,
+                           d.last_transport)
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size,E,K,T,skew,C", [(2, 4, 2, 37, False, 1), (2, 4, 3, 37, True, 3),
+                                                      (4, 8, 2, 23, True, 2)])
+def test_experts_on_rank_major_rows_equal_the_regroup_path(ranks, world_size, E, K, T, skew, C):
+    """An expert_fn whose prefers_segments says yes gets the all-to-all's rows as they arrive, in (source
+    rank, expert) blocks with segments= (no regroup span, forward or backward); outputs, x, w and expert
+    gradients equal the regroup path's (float64; rows are independent, weight gradients summed per block)."""
+    for rank, r in enumerate(ranks(world_size).run(_rank_rank_major, E, K, T, skew, C)):
+        ref, got = r[False], r[True]
+        assert ref[6] == {"counts"} and got[6] == {"segments"}, (rank, ref[6], got[6])
+        assert ref[7] > 0 and got[7] == 0, (rank, ref[7], got[7])
+        assert ref[8] == got[8] == "all_to_all"
+        for name, a, b in zip(("y", "x.grad", "w.grad", "w1.grad", "w3.grad", "w2.grad"), got[:6], ref[:6]):
+            assert a.shape == b.shape, (rank, name)
+            assert _max_rel(a, b) <= 1e-12, (rank, name, _max_rel(a, b))
+        assert float(got[3].abs().sum()) > 0

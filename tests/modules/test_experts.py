@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moe_comm.modules import experts as experts_mod
-from moe_comm.modules.experts import GroupedExperts, _grouped_mm_works, _LoopSwiGLU, _use_grouped_mm, swiglu
+from moe_comm.modules.experts import GroupedExperts, _blocks, _grouped_mm_works, _LoopSwiGLU, _use_grouped_mm, swiglu
 from moe_comm.testing.syncs import HostSyncs
 
 
@@ -35,7 +35,7 @@ def test_grouped_experts_gradcheck():
     ex = GroupedExperts(2, 4, 3, seed=0).double()
     x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
     def fn(x, w1, w3, w2):
-        return _LoopSwiGLU.apply(x, w1, w3, w2, [2, 3])
+        return _LoopSwiGLU.apply(x, w1, w3, w2, _blocks([2, 3]))
     assert torch.autograd.gradcheck(fn, (x, ex.w1, ex.w3, ex.w2))
 
 
@@ -98,7 +98,7 @@ def _loop(ex, x, counts, g):
     """The same experts through _LoopSwiGLU, whatever _use_grouped_mm says."""
     ws = [p.detach().clone().requires_grad_(True) for p in (ex.w1, ex.w3, ex.w2)]
     x = x.detach().clone().requires_grad_(True)
-    y = _LoopSwiGLU.apply(x, *ws, list(counts))
+    y = _LoopSwiGLU.apply(x, *ws, _blocks(counts))
     y.backward(g)
     return y.detach(), x.grad, [w.grad for w in ws]
 
@@ -433,3 +433,51 @@ def test_weight_grad_sums_over_chunks(path):
         for a, b in zip(grads(True, amp), grads(False, amp)):
             assert not torch.equal(a, ex.w1.new_zeros(a.shape))
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------- rows in (rank, expert) blocks
+def test_segments_equal_expert_major_rows():
+    """Rows in (source rank, expert) blocks with segments= (an expert in three blocks, one in none, a block of
+    one row) give, row for row, the output and input gradient of the same rows expert-major, and the same
+    weight gradients (float64)."""
+    ex = GroupedExperts(3, 8, 12, seed=2).double()
+    blocks = [(0, 4), (2, 1), (0, 3), (2, 5), (0, 2)]  # (expert, rows) in row order; expert 1 has none
+    segments, start = [], 0
+    for i, n in blocks:
+        segments.append((i, start, n))
+        start += n
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(start, 8, generator=gen, dtype=torch.float64)
+    g = torch.randn(start, 8, generator=gen, dtype=torch.float64)
+    order = sorted(range(len(blocks)), key=lambda b: blocks[b][0])  # expert-major, blocks keep their order
+    index = torch.cat([torch.arange(segments[b][1], segments[b][1] + segments[b][2]) for b in order])
+    counts = [sum(n for i, n in blocks if i == j) for j in range(3)]
+    y, gx, gw = _run(ex, x, counts, g, segments=segments)
+    y_ref, gx_ref, gw_ref = _run(ex, x[index], counts, g[index], counts=counts)
+    torch.testing.assert_close(y[index], y_ref, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(gx[index], gx_ref, rtol=1e-13, atol=1e-13)
+    for a, b in zip(gw, gw_ref):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
+    assert gw[0][1].eq(0).all() and gw[0][0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("segments,kw", [
+    ([(0, 0, 2), (1, 3, 3)], {}),               # a gap: row 2 in no block
+    ([(0, 0, 2), (1, 2, 2)], {}),               # short of R = 5
+    ([(0, 0, 2), (2, 2, 3)], {}),               # local expert 2 of 2
+    ([(0, 0, 5)], {"counts": [5, 0]}),          # segments and counts
+    ("abc", {}),
+])
+def test_segments_must_cover_the_rows_in_order(segments, kw):
+    ex = GroupedExperts(2, 4, 3)
+    with pytest.raises(ValueError, match="segments"):
+        ex(torch.randn(5, 4), torch.tensor([2, 3]), segments=segments, **kw)
+
+
+def test_prefers_segments_on_cpu_for_large_blocks_only():
+    ex = GroupedExperts(2, 16, 1024)  # F / 2 = 512 > 256
+    cpu = torch.device("cpu")
+    assert ex.prefers_segments(512, cpu) and not ex.prefers_segments(511, cpu)
+    small = GroupedExperts(2, 16, 32)  # F / 2 = 16 < 256
+    assert small.prefers_segments(256, cpu) and not small.prefers_segments(255, cpu)
+    assert not ex.prefers_segments(1 << 20, torch.device("cuda", 0))

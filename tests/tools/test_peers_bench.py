@@ -72,7 +72,7 @@ def test_peers_bench_cross_checks_times_and_flags_a_peer_computing_another_funct
     assert top1["skipped"] == {n: "ValueError: this adapter computes top-2 routing only" for n in ("same", "other")}
     assert shape["skipped"] == {}
     assert shape["shape"] == {"T": 64, "H": 32, "F": 48, "E": 4, "K": 2} and shape["world_size"] == 2
-    assert shape["bare_gemm_s"] > 0
+    assert shape["bare_gemm_s"] > 0 and shape["raw_a2a_s"] > 0
     layers = shape["layers"]
     assert set(layers) == {"moe_comm", "same", "other"}
     for e in layers.values():
@@ -82,6 +82,9 @@ def test_peers_bench_cross_checks_times_and_flags_a_peer_computing_another_funct
     assert not other["check"]["agrees"] and other["check"]["y_rel_diff"] > 1e-3
     assert other["pass"] is False  # no verdict on a mismatch, whatever the times
     assert same["pass"] == (same["ours_over_theirs"] <= res["goal_ours_over_theirs"])
+    # the floor: the raw all-to-all time over each peer's overhead, as the table prints it
+    assert same["floor_ratio"] == pytest.approx(shape["raw_a2a_s"] / same["overhead_s"])
+    assert "4 x raw all-to-all" in proc.stdout and "(floor " in proc.stdout
 
 
 def test_peers_bench_without_any_peer_names_each_install_line_and_fails(tmp_path):
