@@ -125,7 +125,7 @@ class _Experts(moe_comm.GroupedExperts):
         return super().forward(tokens_RH, tokens_per_expert_e, counts=counts, padded=padded, segments=segments)
 
 
-def _rank_rank_major(rank, world_size, E, K, T, skew, C):
+def _rank_rank_major(rank, world_size, E, K, T, skew, C, fp8):
     from moe_comm.profiling import Timeline
 
     out = {}
@@ -135,7 +135,8 @@ def _rank_rank_major(rank, world_size, E, K, T, skew, C):
         w.requires_grad_(True)
         ex = _Experts(E // world_size, H, 6, first_expert=rank * E // world_size, seed=3,
                       rank_major=rank_major).double()
-        d = moe_comm.Dispatcher(num_experts=E, num_chunks=C, direct_min_bytes=1 << 40)  # the all-to-all
+        d = moe_comm.Dispatcher(num_experts=E, num_chunks=C, direct_min_bytes=1 << 40,  # the all-to-all
+                                dispatch_dtype=torch.float8_e4m3fn if fp8 else None)
         d.timeline = Timeline(rank=rank, enabled=True)
         y = d(x, idx, w, ex)
         (y * torch.arange(1, H + 1, dtype=torch.float64)).sum().backward()
@@ -146,13 +147,14 @@ def _rank_rank_major(rank, world_size, E, K, T, skew, C):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("world_size,E,K,T,skew,C", [(2, 4, 2, 37, False, 1), (2, 4, 3, 37, True, 3),
-                                                      (4, 8, 2, 23, True, 2)])
-def test_experts_on_rank_major_rows_equal_the_regroup_path(ranks, world_size, E, K, T, skew, C):
+@pytest.mark.parametrize("world_size,E,K,T,skew,C,fp8", [(2, 4, 2, 37, False, 1, False), (2, 4, 3, 37, True, 3, False),
+                                                          (4, 8, 2, 23, True, 2, False), (2, 4, 2, 37, False, 2, True)])
+def test_experts_on_rank_major_rows_equal_the_regroup_path(ranks, world_size, E, K, T, skew, C, fp8):
     """An expert_fn whose prefers_segments says yes gets the all-to-all's rows as they arrive, in (source
     rank, expert) blocks with segments= (no regroup span, forward or backward); outputs, x, w and expert
-    gradients equal the regroup path's (float64; rows are independent, weight gradients summed per block)."""
-    for rank, r in enumerate(ranks(world_size).run(_rank_rank_major, E, K, T, skew, C)):
+    gradients equal the regroup path's (float64; rows are independent, weight gradients summed per block); with
+    FP8 dispatch too (rows dequantized as they arrived)."""
+    for rank, r in enumerate(ranks(world_size).run(_rank_rank_major, E, K, T, skew, C, fp8)):
         ref, got = r[False], r[True]
         assert ref[6] == {"counts"} and got[6] == {"segments"}, (rank, ref[6], got[6])
         assert ref[7] > 0 and got[7] == 0, (rank, ref[7], got[7])
