@@ -49,17 +49,14 @@ class ChunkPlan:
 
     @property
     def segments(self) -> List[Tuple[int, int, int]]:
-        """(local expert, first row, rows) of every non-empty block of the received rows, in row order:
-        (source rank, local expert) blocks when ``rank_major``, else one block per expert. Host ints."""
-        if self.rank_major:
-            blocks = [(j, n) for row in self.recv_We for j, n in enumerate(row)]
-        else:
-            blocks = list(enumerate(self.counts_e))
+        """(local expert, first row, rows) of every non-empty (source rank, local expert) block of the received
+        rows, in row order: where each expert's rows sit when ``rank_major``. Host ints."""
         out, start = [], 0
-        for j, n in blocks:
-            if n:
-                out.append((j, start, n))
-            start += n
+        for row in self.recv_We:
+            for j, n in enumerate(row):
+                if n:
+                    out.append((j, start, n))
+                start += n
         return out
 
     @property
