@@ -317,7 +317,7 @@ class Dispatcher:
             regroup = kind.regroups and e > 1
             if regroup and expert_fn is not None:
                 block_rows = sum(sum(sum(x) for x in per_c) for per_c in recv_WCe) / (W * e * C)
-                rank_major = rank_major_pays(expert_fn, block_rows, self.channel.device)
+                rank_major = rank_major_pays(expert_fn, block_rows, layout.dest_row_TK.device)  # the rows' device
             else:
                 rank_major = False
             chunks = build_chunk_plans(send_WCe, recv_WCe, recv_counts_WCe, regroup=regroup, call=pending.call,
