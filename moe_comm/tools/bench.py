@@ -73,7 +73,8 @@ class BenchPoint:
     workload: str = "uniform"
     layer_step_s: float = 0.0        # pipelined layer forward + backward with num_chunks (0: not measured)
     layer_transport: str = ""        # the transport the layer chose by itself for this point
-    layer_step_by_transport_s: Dict[str, float] = None  # the same step with each transport forced
+    layer_step_by_transport_s: Dict[str, float] = None  # the same step with each transport forced (and
+    # "all_to_all_regroup": the all-to-all with the experts always on expert-major rows)
     phases_s: Dict[str, float] = None  # layout, permute, counts, a2a, regroup, unpermute, barrier, min_dispatch,
     #                                    min_combine (slowest rank); with FP8 also quantize, dequantize, a2a_back
     direct: bool = False             # dispatch/combine moved rows point-to-point (no regroup)
@@ -251,13 +252,21 @@ def _raw(x, out, plan, group, back: bool = False):
     wait_work(all_to_all_v_async(out, x, out_splits, in_splits, group), "raw a2a")
 
 
+def _never(block_rows, device) -> bool:
+    return False
+
+
 def _layer_steps(layer, xs: torch.Tensor, group, repeats: int):
     """Layer forward + backward: with the transport it chooses itself, and with each transport forced (the
-    same threshold on every rank, so every rank takes the same one). Interleaved; slowest rank's median."""
-    d = layer.dispatcher
-    default, force = d.direct_min_bytes, {"all_to_all": 1 << 62}
+    same threshold on every rank, so every rank takes the same one); "all_to_all_regroup": the all-to-all with
+    the experts always on expert-major rows after a regroup (never the rank-major rows, which the layer takes
+    by itself where ``GroupedExperts.prefers_segments`` says so). Interleaved; slowest rank's median."""
+    d, experts = layer.dispatcher, layer.experts
+    default, force = d.direct_min_bytes, {"all_to_all": (1 << 62, True)}
     if d.num_local_experts > 1 and d.world_size > 1 and not d.dedup:  # one copy per rank: one all-to-all only
-        force["point_to_point"] = 0
+        force["point_to_point"] = (0, True)
+        force["all_to_all_regroup"] = (1 << 62, False)
+
     def step():
         y = layer(xs)
         y.float().square().mean().backward()
@@ -265,11 +274,16 @@ def _layer_steps(layer, xs: torch.Tensor, group, repeats: int):
     samples = {name: [] for name in ["default", *force]}
     for i in range(repeats + 1):
         for name in samples:
-            d.direct_min_bytes = default if name == "default" else force[name]
+            d.direct_min_bytes, rank_major = (default, True) if name == "default" else force[name]
+            if rank_major:
+                experts.__dict__.pop("prefers_segments", None)  # the class's own rule
+            else:
+                experts.prefers_segments = _never
             t = timed(step, group)
             if i:  # the first round warms up every path
                 samples[name].append(t)
     d.direct_min_bytes = default
+    experts.__dict__.pop("prefers_segments", None)
     layer(xs)  # which transport the layer takes by itself (every rank takes the same)
     chosen = d.last_transport
     med = {name: slowest_median(v, group) for name, v in samples.items()}

@@ -177,7 +177,8 @@ def _print_bench(points: List[dict]) -> None:
     calls = any(p.get("call_s") for p in points)
     cols = ["W", "T", "H", "K", "E", "C", "dtype", "wire", "workload", "KiB/pair", "disp GB/s", "disp wire GB/s",
             "comb GB/s", "comb wire GB/s", "raw GB/s", "e2e/raw", "limit", "path", "tok/s", "layout", "permute",
-            "counts", "a2a", "regroup", "unperm", "floor", "layer ms", "layer a2a", "layer p2p"]
+            "counts", "a2a", "regroup", "unperm", "floor", "layer ms", "layer a2a", "layer p2p",
+            "a2a+regroup"]
     if calls:
         cols += ["call ms", "dedup ms", "dedup wire"]
     for c in cols:
@@ -195,7 +196,7 @@ def _print_bench(points: List[dict]) -> None:
                f"{p['layer_step_s'] * 1e3:.1f} {_short(p.get('layer_transport', ''))}" if p["layer_step_s"] else "-",
                *(f"{(p.get('layer_step_by_transport_s') or {}).get(k, 0) * 1e3:.1f}"
                  if (p.get("layer_step_by_transport_s") or {}).get(k) else "-"
-                 for k in ("all_to_all", "point_to_point"))]
+                 for k in ("all_to_all", "point_to_point", "all_to_all_regroup"))]
         if calls:
             row += [f"{p['call_s'] * 1e3:.2f}", f"{p['call_dedup_s'] * 1e3:.2f}", _dedup_wire(p)] if p.get("call_s") \
                 else ["-", "-", "-"]
@@ -211,7 +212,9 @@ def _print_bench(points: List[dict]) -> None:
                  "order, a2a = one all-to-all + regroup; phase columns in ms, each timed on its own, each "
                  "including one barrier (floor); layer ms = pipelined MoELayer forward+backward with C chunks and "
                  "the transport it chose; layer a2a / p2p = the same step with that transport forced (the layer "
-                 "runs dispatch's transports)"
+                 "runs dispatch's transports); a2a+regroup = the all-to-all with the experts always on "
+                 "expert-major rows (the layer skips the regroup by itself where the received blocks are large: "
+                 "GroupedExperts.prefers_segments)"
                  + ("; call ms / dedup ms = pipelined Dispatcher call, identity experts, forward only, one chunk, "
                     "without / with dedup (one copy per (token, rank)); dedup wire = its wire bytes (both "
                     "directions) / the plain call's" if calls else ""))

@@ -52,6 +52,9 @@ def test_bench_json_schema_and_consistency(tmp_path):
         for direction in ("dispatch", "combine"):
             assert p[f"{direction}_wire_bytes"] == p[f"{direction}_logical_bytes"] == p["dispatch_bytes"]
         assert p["raw_bytes"] == p["dispatch_bytes"] and p["raw_combine_a2a_s"] == p["raw_a2a_s"]
+        # the layer step with each transport forced, and the all-to-all with the experts on expert-major rows
+        assert set(p["layer_step_by_transport_s"]) == {"all_to_all", "point_to_point", "all_to_all_regroup"}
+        assert all(v > 0 for v in p["layer_step_by_transport_s"].values())
     assert png.stat().st_size > 1000
 
 
