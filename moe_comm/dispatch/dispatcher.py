@@ -320,8 +320,8 @@ class Dispatcher:
                 rank_major = rank_major_pays(expert_fn, block_rows, layout.dest_row_TK.device)  # the rows' device
             else:
                 rank_major = False
-            chunks = build_chunk_plans(send_WCe, recv_WCe, recv_counts_WCe, regroup=regroup, call=pending.call,
-                                       rank_major=rank_major)
+            chunks = build_chunk_plans(send_WCe, recv_WCe, recv_counts_WCe, regroup=regroup and not rank_major,
+                                       call=pending.call, rank_major=rank_major)
         layout.set_num_rows(sum(sum(sum(x) for x in per_c) for per_c in send_WCe))
         self.last_transport = kind.name
         slots = sum(sum(sum(x) for x in counts(r)) for r in sent)

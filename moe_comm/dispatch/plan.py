@@ -51,13 +51,7 @@ class ChunkPlan:
     def segments(self) -> List[Tuple[int, int, int]]:
         """(local expert, first row, rows) of every non-empty (source rank, local expert) block of the received
         rows, in row order: where each expert's rows sit when ``rank_major``. Host ints."""
-        out, start = [], 0
-        for row in self.recv_We:
-            for j, n in enumerate(row):
-                if n:
-                    out.append((j, start, n))
-                start += n
-        return out
+        return segments_of((j, n) for row in self.recv_We for j, n in enumerate(row))
 
     @property
     def parts(self) -> List["ChunkPlan"]:
@@ -121,6 +115,16 @@ class DispatchOutput:
         return self.handle.chunks[0].counts_e
 
 
+def segments_of(blocks) -> List[Tuple[int, int, int]]:
+    """(local expert, rows) blocks in row order -> (local expert, first row, rows) of the non-empty ones."""
+    out, start = [], 0
+    for j, n in blocks:
+        if n:
+            out.append((j, start, int(n)))
+        start += n
+    return out
+
+
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(x, 0) - x
 
@@ -174,8 +178,8 @@ def build_chunk_plans(send_WCe: List[List[List[int]]], recv_WCe: List[List[List[
     slots per (rank, chunk, local expert) on the device (for tokens_per_expert and the regroup index without
     another sync). regroup: build the expert-major permutation (the all-to-all transport with W > 1 and
     e > 1). recv_slots_WCe: the same slots on the host when rows are not one per slot (one copy per rank:
-    send/recv_WCe then hold rows per (rank, chunk), one column). rank_major: no regroup, the experts take the
-    rows in (source rank, local expert) blocks (``ChunkPlan.segments``)."""
+    send/recv_WCe then hold rows per (rank, chunk), one column). rank_major: the experts take the rows in
+    (source rank, local expert) blocks (``ChunkPlan.segments``; then no regroup)."""
     W, C, e = recv_counts_WCe.shape
     slots_WCe = recv_WCe if recv_slots_WCe is None else recv_slots_WCe
     chunks, offset = [], 0
@@ -187,7 +191,7 @@ def build_chunk_plans(send_WCe: List[List[List[int]]], recv_WCe: List[List[List[
                          tokens_per_expert_e=counts_We.sum(0),
                          counts_e=[sum(slots_WCe[w][c][j] for w in range(W)) for j in range(e)],
                          rank_major=rank_major)
-        if regroup and not rank_major:
+        if regroup:
             plan.expert_index_R, plan.source_index_R = expert_major_index(counts_We, plan.num_recv)
         chunks.append(plan)
         offset += plan.num_rows

@@ -14,6 +14,7 @@ from torch import nn
 
 from moe_comm import _wgrad
 from moe_comm._checks import check_int, check_int_list
+from moe_comm.dispatch.plan import segments_of
 
 __all__ = ["GroupedExperts", "SwiGLU", "swiglu", "PlacedExperts"]
 
@@ -314,12 +315,7 @@ class _LoopSwiGLU(torch.autograd.Function):
 
 def _blocks(counts: Sequence[int]) -> List[Tuple[int, int, int]]:
     """Expert-major rows' segments: (expert, first row, rows) of every expert with rows."""
-    out, start = [], 0
-    for i, n in enumerate(counts):
-        if n:
-            out.append((i, start, int(n)))
-        start += n
-    return out
+    return segments_of(enumerate(counts))
 
 
 def _check_segments(segments, rows: int, num_experts: int) -> List[Tuple[int, int, int]]:
