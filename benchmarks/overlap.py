@@ -30,14 +30,79 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import moe_comm  # noqa: E402
+from moe_comm import _wgrad  # noqa: E402
 from moe_comm.tools.bench import slowest_median, timed  # noqa: E402
-from moe_comm.comm.collectives import all_to_all_v  # noqa: E402
+from moe_comm.comm.collectives import all_to_all_v, all_to_all_v_async  # noqa: E402
 from moe_comm.tools.slow_link import json_worker_main, run_json_worker  # noqa: E402
 from moe_comm.profiling import overlap_report  # noqa: E402
 
 
 def _step(layer, x):
     return timed(lambda: (layer(x).float().square().mean() + layer.aux_loss).backward(), None)
+
+
+def _parts(n: int, C: int) -> list:
+    return [n // C + (i < n % C) for i in range(C)]
+
+
+def _limit_pipeline(experts, plan, hidden: int, C: int, group):
+    """The limit of a C-chunk pipeline on this machine: the same rows and expert GEMMs, forward + backward,
+    with nothing else (no routing, permutation, control exchange or allocation inside the step): chunk c+1's
+    rows travel while chunk c's experts run and chunk c's results travel back; in the backward each chunk's
+    weight gradients run while its input gradient travels (as moe_comm's pipeline). Allocates its buffers and
+    returns the step to time, which returns the seconds it spent in the experts (its compute lane); ``step.bufs``:
+    per chunk, x/g the rows and output gradients sent, r/h those received, b what came back."""
+    send = [[p[c] for p in (_parts(int(n), C) for n in plan.send_splits_W)] for c in range(C)]
+    recv = [[p[c] for p in (_parts(int(n), C) for n in plan.recv_splits_W)] for c in range(C)]
+    e = len(plan.counts_e)
+    bufs = {k: [torch.randn(sum((send if k in "xgb" else recv)[c]), hidden) for c in range(C)] for k in "xgbrh"}
+    lane = 0.0
+
+    def pipe(src, dst, splits_in, splits_out, work, after=None):
+        nonlocal lane
+        flights = [all_to_all_v_async(dst[0], src[0], splits_out[0], splits_in[0], group)]
+        done = []
+        for c in range(C):
+            if c + 1 < C:
+                flights.append(all_to_all_v_async(dst[c + 1], src[c + 1], splits_out[c + 1], splits_in[c + 1], group))
+            flights[c].wait()
+            t = time.perf_counter()
+            out = work(c)
+            lane += time.perf_counter() - t
+            done.append(all_to_all_v_async(bufs["b"][c], out, splits_in[c], splits_out[c], group))
+            if after is not None:
+                t = time.perf_counter()
+                after(c)
+                lane += time.perf_counter() - t
+        for w in done:
+            w.wait()
+
+    leaves, ys, wgrads, sums = [], [], [], _wgrad.GradSums()
+
+    def forward(c):
+        leaves.append(bufs["r"][c].requires_grad_(True))
+        counts = _parts(len(leaves[c]), e)
+        ys.append(experts(leaves[c], torch.tensor(counts), counts=counts))
+        return ys[c].detach()
+
+    def backward(c):
+        with _wgrad.deferring() as w:
+            ys[c].backward(bufs["h"][c])
+        wgrads.append(w)
+        return leaves[c].grad
+
+    def weight_grads(c):
+        wgrads[c].run(sums)
+        if c == C - 1:
+            sums.flush()
+
+    def step():
+        pipe(bufs["x"], bufs["r"], send, recv, forward)   # rows to the experts, results back
+        pipe(bufs["g"], bufs["h"], send, recv, backward, weight_grads)  # output gradients in, input gradients out
+        return lane
+
+    step.bufs = bufs
+    return step
 
 
 def _rank_main(rank, world_size, a):
@@ -100,6 +165,14 @@ def _rank_main(rank, world_size, a):
             comm.append(t3 - t2)
     out["bare_gemm_s"] = slowest_median(gemm, None)
     out["raw_a2a_s"] = slowest_median(comm, None)
+    out["limit"] = {}
+    for C in (c for c in chunk_opts if c != "auto"):
+        steps, lanes = [], []
+        for i in range(a["warmup"] + a["repeats"]):
+            run = _limit_pipeline(layer.experts, plan, a["hidden"], C, layer.dispatcher.group)
+            steps.append(timed(lambda: lanes.append(run()), None))
+        out["limit"][str(C)] = {"step_s": slowest_median(steps[a["warmup"]:], None),
+                                "T_compute_s": slowest_median(lanes[a["warmup"]:], None)}
     return out
 
 
@@ -117,6 +190,16 @@ def _summarise(res, link, world_size, ffn):
         p["vs_ideal"] = p["step_s"] / ideal
         p["wallclock_hidden_fraction"] = (serial - p["step_s"]) / lo if lo > 0 else 0.0
     auto = next((p for p in pts if p["C"] == "auto"), None)
+    limit = res["limit"]
+    for p in fixed:
+        p["limit_step_s"] = limit[str(p["C"])]["step_s"]
+        p["limit_T_compute_s"] = limit[str(p["C"])]["T_compute_s"]
+    lim = min(fixed, key=lambda p: p["limit_step_s"])
+    reach = {"limit_best_C": lim["C"], "limit_best_s": lim["limit_step_s"],
+             "limit_best_over_max": lim["limit_step_s"] / ideal,            # what any layer's schedule could reach
+             "best_over_limit_best": best["step_s"] / lim["limit_step_s"],  # ours against that
+             "limit_lane_over_bare": best["limit_T_compute_s"] / res["bare_gemm_s"],  # at our best C
+             "lane_over_limit_lane": best["T_compute_s"] / best["limit_T_compute_s"]}
     ratios = {"best_over_max": best["step_s"] / ideal,
               "c1_over_sum": serial / (res["bare_gemm_s"] + res["raw_a2a_s"]),
               "compute_lane_over_bare": best["T_compute_s"] / res["bare_gemm_s"]}
@@ -127,7 +210,8 @@ def _summarise(res, link, world_size, ffn):
     return {"link": link, "world_size": world_size, "ffn": ffn, "bare_gemm_s": res["bare_gemm_s"],
             "raw_a2a_s": res["raw_a2a_s"], "ideal_s": ideal, "comm_over_compute": res["raw_a2a_s"] / res["bare_gemm_s"],
             "best_C": best["C"], "best_step_s": best["step_s"],
-            "auto_vs_best": auto["step_s"] / best["step_s"] if auto else None, "points": pts, "verdicts": verdicts}
+            "auto_vs_best": auto["step_s"] / best["step_s"] if auto else None, "points": pts, "verdicts": verdicts,
+            "limit": reach}
 
 
 def _verdict(v) -> str:
@@ -140,14 +224,15 @@ def _print(summaries):
     from rich.table import Table
 
     t = Table(title="MoE layer fwd+bwd: pipelined chunks vs the ideal max(T_compute, T_comm)")
-    for col in ("link", "W", "ffn", "C", "transport", "step ms", "ideal ms", "step/ideal", "T_comp ms", "T_comm ms",
-                "hidden ms", "exposed ms", "tl overlap", "wall overlap"):
+    for col in ("link", "W", "ffn", "C", "transport", "step ms", "limit ms", "ideal ms", "step/ideal", "T_comp ms",
+                "T_comm ms", "hidden ms", "exposed ms", "tl overlap", "wall overlap"):
         t.add_column(col, justify="right")
     for s in summaries:
         for p in s["points"]:
             c = f"auto->{p['chosen_C']}" if p["C"] == "auto" else str(p["C"])
             t.add_row(s["link"], str(s["world_size"]), str(s["ffn"]), c, p.get("transport", ""),
-                      f"{p['step_s'] * 1e3:.1f}", f"{s['ideal_s'] * 1e3:.1f}",
+                      f"{p['step_s'] * 1e3:.1f}",
+                      f"{p['limit_step_s'] * 1e3:.1f}" if "limit_step_s" in p else "", f"{s['ideal_s'] * 1e3:.1f}",
                       f"{p['vs_ideal']:.2f}", f"{p['T_compute_s'] * 1e3:.1f}", f"{p['T_comm_s'] * 1e3:.1f}",
                       f"{p['hidden_s'] * 1e3:.1f}", f"{p['exposed_s'] * 1e3:.1f}",
                       f"{p['timeline_overlap_fraction']:.0%}", f"{p['wallclock_hidden_fraction']:.0%}")
@@ -160,6 +245,17 @@ def _print(summaries):
         g.add_row(s["link"], str(s["world_size"]), str(s["ffn"]), f"{s['comm_over_compute']:.2f}",
                   *(_verdict(v[k]) if k in v else "-" for k in GOALS))
     Console(width=200).print(g)
+    m = Table(title="The limit on this machine: a plain pipeline of the same rows and expert GEMMs in C chunks, "
+                    "with nothing else (best C)")
+    for col in ("link", "W", "ffn", "limit C: step ms", "limit / max", "ours best / limit best",
+                "limit lane / bare", "ours lane / limit lane"):
+        m.add_column(col, justify="right")
+    for s in summaries:
+        r = s["limit"]
+        m.add_row(s["link"], str(s["world_size"]), str(s["ffn"]), f"{r['limit_best_C']}: {r['limit_best_s'] * 1e3:.1f}",
+                  f"{r['limit_best_over_max']:.2f}", f"{r['best_over_limit_best']:.2f}",
+                  f"{r['limit_lane_over_bare']:.2f}", f"{r['lane_over_limit_lane']:.2f}")
+    Console(width=200).print(m)
     for s in summaries:
         print(f"{s['link']:>8} W={s['world_size']}: bare GEMMs {s['bare_gemm_s'] * 1e3:.1f} ms, raw a2a "
               f"{s['raw_a2a_s'] * 1e3:.1f} ms (comm/compute {s['comm_over_compute']:.2f}); best C={s['best_C']}"

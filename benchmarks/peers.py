@@ -16,6 +16,10 @@ so all compute the same function:
 - the communication floor: the same rows moved by four plain ``all_to_all_single`` calls (to the experts and
   back, forward and backward), timed in the same rotation. Every dropless layer moves at least these bytes at
   C = 1, so "floor" = that time / a peer's overhead is the lowest ours/theirs any such layer could reach.
+- the plain layer (``peer_adapters/plain_torch.py``, always run and cross-checked): plain PyTorch with the fewest
+  passes over the rows and nothing else (no checks, failure protocol, timeline or monitor); "plain" = its
+  overhead / a peer's is where a minimal layer stands against that peer, and ours/plain what moe_comm's own
+  work costs on top.
 
     python benchmarks/peers.py                                   # W = 2 and 4, default shapes
     python benchmarks/peers.py --world-sizes 2 --shapes 1024x512x256x8x2 --json out.json
@@ -43,10 +47,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_comm  # noqa: E402
 from moe_comm.tools.bench import timed  # noqa: E402
 from moe_comm.tools.slow_link import json_worker_main, run_json_worker  # noqa: E402
+from peer_adapters import plain_torch  # noqa: E402
 
 ADAPTERS = ("torchtitan_moe", "deepspeed_moe", "megatron_moe")
 GOAL = 0.5  # moe_comm's overhead <= 0.5 x each peer's
-BARE, RAW = "bare GEMMs", "4 x raw all-to-all"
+BARE, RAW, PLAIN = "bare GEMMs", "4 x raw all-to-all", "plain torch"
 AGREE = 1e-5  # max |difference| / max |moe_comm's value|, output and input gradient: above it, no timing verdict
 
 
@@ -80,7 +85,7 @@ def _shape_main(rank, W, a, shape):
     cfg = moe_comm.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=K, score_func="softmax",
                              norm_topk_prob=True)
     ref = moe_comm.MoELayer(cfg, seed=1)
-    layers, skipped = {"moe_comm": ref}, {}
+    layers, skipped = {"moe_comm": ref, PLAIN: plain_torch.build(ref, dist.group.WORLD)}, {}
     for name in a["peers"]:
         m = _adapter(name)
         try:  # an adapter refuses a configuration it cannot compute (on every rank, before any collective)
@@ -127,7 +132,10 @@ def _shape_main(rank, W, a, shape):
             entry["check"] = checks[n]
             entry["ours_over_theirs"] = statistics.median(over["moe_comm"]) / statistics.median(over[n])
             entry["floor_ratio"] = raw / statistics.median(over[n])  # the lowest ours/theirs moving these rows
-            entry["pass"] = checks[n]["agrees"] and entry["ours_over_theirs"] <= GOAL
+            # the plain layer's overhead / this one's: where a layer with the fewest passes stands against it
+            entry["plain_ratio"] = statistics.median(over[PLAIN]) / statistics.median(over[n])
+            if n != PLAIN:
+                entry["pass"] = checks[n]["agrees"] and entry["ours_over_theirs"] <= GOAL
         out["layers"][n] = entry
     return out
 
@@ -172,8 +180,12 @@ def _print(results):
                 t.add_row("", "", n, "-", "-", f"skipped: {why}", "", "")
             for n, e in s["layers"].items():
                 c = e.get("check")
-                verdict = "" if not c else "MISMATCH" if not c["agrees"] else "ok" if e["pass"] else "MISS"
-                ratio = f"{e['ours_over_theirs']:.2f} {verdict} (floor {e['floor_ratio']:.2f})" if c else ""
+                ratio = ""
+                if c:
+                    verdict = "MISMATCH" if not c["agrees"] else "" if n == PLAIN else "ok" if e["pass"] else "MISS"
+                    plain = "" if n == PLAIN else f", plain {e['plain_ratio']:.2f}"
+                    ratio = " ".join(v for v in (f"{e['ours_over_theirs']:.2f}", verdict,
+                                                 f"(floor {e['floor_ratio']:.2f}{plain})") if v)
                 t.add_row("", "", n, f"{e['step_s'] * 1e3:.1f}", f"{e['overhead_s'] * 1e3:.1f}", ratio,
                           f"{c['y_rel_diff']:.1e}" if c else "", f"{c['dx_rel_diff']:.1e}" if c else "")
     Console(width=160).print(t)

@@ -68,13 +68,13 @@ def test_peers_bench_cross_checks_times_and_flags_a_peer_computing_another_funct
     res = json.loads(path.read_text())
     (run,) = res["results"]
     shape, top1 = run["shapes"]
-    assert set(top1["layers"]) == {"moe_comm"} and top1["layers"]["moe_comm"]["step_s"] > 0
+    assert set(top1["layers"]) == {"moe_comm", "plain torch"} and top1["layers"]["moe_comm"]["step_s"] > 0
     assert top1["skipped"] == {n: "ValueError: this adapter computes top-2 routing only" for n in ("same", "other")}
     assert shape["skipped"] == {}
     assert shape["shape"] == {"T": 64, "H": 32, "F": 48, "E": 4, "K": 2} and shape["world_size"] == 2
     assert shape["bare_gemm_s"] > 0 and shape["raw_a2a_s"] > 0
     layers = shape["layers"]
-    assert set(layers) == {"moe_comm", "same", "other"}
+    assert set(layers) == {"moe_comm", "plain torch", "same", "other"}
     for e in layers.values():
         assert e["step_s"] > 0
     same, other = layers["same"], layers["other"]
@@ -85,6 +85,12 @@ def test_peers_bench_cross_checks_times_and_flags_a_peer_computing_another_funct
     # the floor: the raw all-to-all time over each peer's overhead, as the table prints it
     assert same["floor_ratio"] == pytest.approx(shape["raw_a2a_s"] / same["overhead_s"])
     assert "4 x raw all-to-all" in proc.stdout and "(floor " in proc.stdout
+    # the plain PyTorch layer: the same function (its check passes), no verdict of its own, its overhead /
+    # each peer's printed beside the floor
+    plain = layers["plain torch"]
+    assert plain["check"]["agrees"] and plain["check"]["y_rel_diff"] < 1e-5 and "pass" not in plain
+    assert same["plain_ratio"] == pytest.approx(plain["overhead_s"] / same["overhead_s"])
+    assert ", plain " in proc.stdout
 
 
 def test_peers_bench_without_any_peer_names_each_install_line_and_fails(tmp_path):
