@@ -6,7 +6,7 @@ For every point: median step time, the timeline's T_compute / T_comm / hidden / 
 max(T_compute, T_comm) measured separately (the bare expert GEMMs forward+backward on the same rows;
 the raw all-to-alls of the same bytes and splits), and the limit per fixed C (``_limit_pipeline``: the same
 rows and expert GEMMs in C chunks with nothing else, so "ours / limit" is what the layer adds and
-"limit / max" what any C-chunk schedule reaches on this machine). Wall-clock hidden estimate:
+"limit / max" what this schedule reaches on this machine with nothing else in the step). Wall-clock hidden estimate:
 (T_serial - T_pipelined) / min(T_comm, T_compute), T_serial = the C = 1 step.
 
 Goals (the overlap issue; ratios within one run), judged per (link, W, ffn) on the emulated link:
