@@ -49,11 +49,11 @@ def _parts(n: int, C: int) -> list:
 
 def _limit_pipeline(experts, plan, hidden: int, C: int, group):
     """The limit of a C-chunk pipeline on this machine: the same rows and expert GEMMs, forward + backward,
-    with nothing else (no routing, permutation, control exchange or allocation inside the step): chunk c+1's
-    rows travel while chunk c's experts run and chunk c's results travel back; in the backward each chunk's
-    weight gradients run while its input gradient travels (as moe_comm's pipeline). Allocates its buffers and
-    returns the step to time, which returns the seconds it spent in the experts (its compute lane); ``step.bufs``:
-    per chunk, x/g the rows and output gradients sent, r/h those received, b what came back."""
+    with nothing else (no routing, permutation or control exchange; the transfer buffers exist before the
+    step). Chunk c+1's rows travel while chunk c's experts run and chunk c's results travel back; in the
+    backward each chunk's weight gradients run while its input gradient travels (as moe_comm's pipeline).
+    Returns the step to time, which returns the seconds it spent in the experts (its compute lane);
+    ``step.bufs``: per chunk, x/g the rows and output gradients sent, r/h those received, b what came back."""
     send = [[p[c] for p in (_parts(int(n), C) for n in plan.send_splits_W)] for c in range(C)]
     recv = [[p[c] for p in (_parts(int(n), C) for n in plan.recv_splits_W)] for c in range(C)]
     e = len(plan.counts_e)
@@ -198,7 +198,7 @@ def _summarise(res, link, world_size, ffn):
         p["limit_T_compute_s"] = limit[str(p["C"])]["T_compute_s"]
     lim = min(fixed, key=lambda p: p["limit_step_s"])
     reach = {"limit_best_C": lim["C"], "limit_best_s": lim["limit_step_s"],
-             "limit_best_over_max": lim["limit_step_s"] / ideal,            # what any layer's schedule could reach
+             "limit_best_over_max": lim["limit_step_s"] / ideal,            # the schedule with nothing else
              "best_over_limit_best": best["step_s"] / lim["limit_step_s"],  # ours against that
              "limit_lane_over_bare": best["limit_T_compute_s"] / res["bare_gemm_s"],  # at our best C
              "lane_over_limit_lane": best["T_compute_s"] / best["limit_T_compute_s"]}
