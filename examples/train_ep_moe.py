@@ -201,6 +201,7 @@ def train_phase(args, rank: int, world_size: int, ep: int, steps: range, device:
     task = SequenceTask(args.experts, args.seq_len, args.seqs, args.seed)
     losses = []
     for step in steps:
+        moe_comm.set_step(step)  # every rank checks that all are at this step (a skipped step raises at once)
         x, y = (t.to(device) for t in task.sample(rank, step))
         loss = rank_loss(model, x, y)
         opt.zero_grad(set_to_none=True)

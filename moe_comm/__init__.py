@@ -1,8 +1,8 @@
 """moe_comm: expert-parallel Mixture-of-Experts communication for PyTorch.
 
 Public API: MoEConfig, MoELayer, Dispatcher, Router, GroupedExperts, ops (make_layout, permute,
-unpermute), check (read deferred failures), checkpoint helpers, LoadMonitor, plan_placement, and the
-dense reference (``dense_moe``).
+unpermute), check (read deferred failures), set_step (every rank checks that all are at the same step),
+checkpoint helpers, LoadMonitor, plan_placement, and the dense reference (``dense_moe``).
 
 Dependency rule (one way, lowest first; tested in tests/test_dependencies.py):
 
@@ -15,6 +15,7 @@ reference, self-checking payloads, routing workloads); those two sit on top. ``i
 neither rich nor matplotlib.
 """
 from moe_comm import ops
+from moe_comm.comm.wire import set_step
 from moe_comm.config import MoEConfig
 from moe_comm.dispatch import DispatchHandle, Dispatcher, DispatchOutput
 from moe_comm.modules import GroupedExperts, MoELayer, SwiGLU, check, checkpoint
@@ -27,7 +28,7 @@ __version__ = "0.1.0"
 __all__ = [
     "MoEConfig", "MoELayer", "Dispatcher", "DispatchOutput", "DispatchHandle", "Router", "RouterOutput",
     "route", "GroupedExperts", "SwiGLU", "dense_moe", "ops", "checkpoint", "LoadMonitor", "Placement",
-    "plan_placement", "check", "__version__",
+    "plan_placement", "check", "set_step", "__version__",
 ]
 
 

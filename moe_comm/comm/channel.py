@@ -20,7 +20,7 @@ from moe_comm.comm.agree import RemoteError, disagreement
 from moe_comm.comm.collectives import (REBUILD, CollectiveError, check_usable, group_device, group_rank, group_size,
                                        issuing, poison, record_arrival, wait_work)
 from moe_comm.comm.wire import (HEADER_WORDS, MAGIC, MESSAGE_WORDS, PHASE_TEXT, Failure, Phase, ProtocolError, Word,
-                                decode_message, describe_position, dtype_name, encode_message, positions)
+                                decode_message, describe_position, dtype_name, encode_message, positions, step_text)
 
 __all__ = ["Channel", "Pending", "PeerFailed", "next_index", "MAX_DEFERRED", "read_deferred"]
 
@@ -178,6 +178,7 @@ class Channel:
         rows, own = p.recv_WX, p.send_WX[0]
         bad = (rows[:, Word.MAGIC] != MAGIC) | (rows[:, Word.CALL] != p.call) | (rows[:, Word.PHASE] != p.phase)
         bad |= (rows[:, Word.DISPATCHER] != self.index) | (rows[:, Word.FAILED] != Failure.NONE)
+        bad |= rows[:, Word.STEP] != own[Word.STEP]
         bad |= (rows[:, Word.BAD_IDS] > 0) | (rows[:, Word.NONFINITE] > 0)
         for w in (Word.WORLD, Word.EXPERTS, Word.CHUNKS, Word.ROW_BYTES, Word.TOP_K, Word.DTYPE, Word.CONFIG):
             bad |= (rows[:, w] != own[w]) & (rows[:, w] >= 0) & (own[w] >= 0)
@@ -204,6 +205,13 @@ class Channel:
                 + "; ".join(f"ranks {rs} in {pos}" for pos, rs in at.items())
                 + ". Every rank must run the same layers in the same order, forward and backward (a rank that "
                 "skipped a backward or a layer causes this). Every rank raised; the next call works.")
+        text = disagreement("the training step (moe_comm.set_step)", [row[Word.STEP] for row in rows], step_text)
+        if text:
+            raise ProtocolError(
+                f"moe_comm: EP rank {rank}: in {describe_position(rows[rank])}, {text}. A rank that skipped a step "
+                "(an exception caught outside moe_comm, a `continue`) would pair its calls with its peers' calls of "
+                "another step. Every rank raised in this call, and raises again in every call until the ranks are at "
+                "the same step: skip a step on every rank or none.")
         failed = [r for r, row in enumerate(rows) if row[Word.FAILED] != Failure.NONE]
         if failed:
             self._raise_failure(pending, rows, failed, deferred)

@@ -22,10 +22,10 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 __all__ = ["Word", "Phase", "Failure", "MAGIC", "HEADER_WORDS", "MESSAGE_WORDS", "header", "encode_message",
-           "decode_message", "dtype_code", "dtype_name", "ProtocolError"]
+           "decode_message", "dtype_code", "dtype_name", "ProtocolError", "set_step", "current_step", "step_text"]
 
 MAGIC = 0x6D6F455F636F6D6D  # "moE_comm": a row without it is not a moe_comm header (stale or mis-paired bytes)
-HEADER_WORDS = 16
+HEADER_WORDS = 17
 MESSAGE_WORDS = 32  # 256 bytes of UTF-8: the failing rank's error, read by its peers
 
 
@@ -48,6 +48,7 @@ class Word(enum.IntEnum):
     ROWS = 13       # N: rows this rank sends in this call
     CHUNK = 14      # chunk where a failure happened (-1: before the first exchange)
     TOP_K = 15      # K of the call's routing (sync-free mode sizes its fixed exchanges by it; -1: not sent)
+    STEP = 16       # the training step the caller set (``set_step``; -1: none set), the same on every rank
 
 
 class Phase(enum.IntEnum):
@@ -97,16 +98,45 @@ def dtype_name(code: int) -> str:
     return str(_DTYPES[code - 1]).replace("torch.", "") if 1 <= code <= len(_DTYPES) else f"<unknown {code}>"
 
 
+_step = -1  # set_step: the training step of this process, carried by every control exchange
+
+
+def set_step(step: Optional[int]) -> None:
+    """Tell moe_comm which training step this process is in (None: forget it). Every control exchange of
+    every Dispatcher and MoELayer in the process then carries it, and every rank checks that all ranks are at
+    the same step: a rank that skipped a whole step outside moe_comm (an exception caught by the training
+    loop, a ``continue``) would otherwise pair its calls with its peers' calls of another step, unnoticed
+    until a timeout at the end of the run. With it, every rank raises ``ProtocolError`` naming each rank's
+    step in the first call where they differ. Call it on every rank at the top of each step."""
+    global _step
+    if step is None:
+        _step = -1
+        return
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"set_step: step must be an int >= 0 or None, got {step!r}")
+    _step = step
+
+
+def current_step() -> int:
+    """The step ``set_step`` set, -1 when none is set."""
+    return _step
+
+
+def step_text(step: int) -> str:
+    return "no step set" if step < 0 else f"step {step}"
+
+
 def header(phase: Phase, *, dispatcher: int, call: int, chunks: int, experts: int, world: int,
            row_bytes: int = -1, dtype: int = -1, config: int = 0, failed: Failure = Failure.NONE,
            chunk: int = -1, top_k: int = -1) -> List[int]:
     """The host-known header words as [HEADER_WORDS] host ints (BAD_IDS, NONFINITE and ROWS are 0 here;
-    device-computed counts are added on the device by the channel)."""
+    device-computed counts are added on the device by the channel; STEP is ``current_step()``)."""
     words = [0] * HEADER_WORDS
     words[Word.MAGIC], words[Word.DISPATCHER], words[Word.CALL], words[Word.PHASE] = MAGIC, dispatcher, call, phase
     words[Word.CHUNKS], words[Word.EXPERTS], words[Word.WORLD] = chunks, experts, world
     words[Word.ROW_BYTES], words[Word.DTYPE], words[Word.CONFIG] = row_bytes, dtype, config
     words[Word.FAILED], words[Word.CHUNK], words[Word.TOP_K] = int(failed), chunk, top_k
+    words[Word.STEP] = _step
     return words
 
 

@@ -385,3 +385,49 @@ def test_dispatcher_launched_without_process_group_raises(monkeypatch):
     with pytest.raises(ValueError, match="init_process_group"):
         moe_comm.Dispatcher(num_experts=4)
     assert moe_comm.Dispatcher(num_experts=4, allow_single_process=True).world_size == 1
+
+
+def _rank_skipped_step(rank, world_size, bad):
+    """A training loop that calls moe_comm.set_step(step): the bad rank skips step 1 entirely (its loop caught an
+    error of its own before the layer and went on), so its step-2 call meets its peers' step-1 call."""
+    cfg = moe_comm.MoEConfig(hidden_size=H, ffn_hidden_size=16, num_experts=2 * world_size, top_k=2)
+    layer = moe_comm.MoELayer(cfg, seed=0, timeout=30.0)
+    x = torch.randn(6 + rank, H)
+    out = []
+    try:
+        for step in ([0, 2] if rank == bad else [0, 1]):
+            moe_comm.set_step(step)
+            out.append(_outcome(lambda: layer(x.clone().requires_grad_(True)).sum().backward()))
+        moe_comm.set_step(7)  # the loop brought every rank to the same step: the next call works
+        out.append(_outcome(lambda: layer(x.clone().requires_grad_(True)).sum().backward()))
+        moe_comm.set_step(None)
+        out.append(_outcome(lambda: layer(x.clone().requires_grad_(True)).sum().backward()))
+    finally:
+        moe_comm.set_step(None)  # the pool's processes serve later tests
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_rank_at_another_step_raises_on_every_rank_at_once(ranks, world_size):
+    bad = world_size - 1
+    for rank, (first, second, same_step, no_step) in enumerate(ranks(world_size).run(_rank_skipped_step, bad)):
+        assert first == same_step == no_step == "value", (rank, first, same_step, no_step)
+        assert second.startswith("ProtocolError:"), (rank, second)
+        assert f"step 1 on ranks {list(range(bad))}, step 2 on ranks [{bad}]" in second, (rank, second)
+        assert "moe_comm.set_step" in second, (rank, second)
+
+
+def test_set_step_takes_an_int_or_none_and_every_header_carries_it():
+    from moe_comm.comm.wire import Phase, Word, current_step, header
+
+    try:
+        for bad in (-1, True, 1.5, "3"):
+            with pytest.raises(ValueError, match="set_step: step must be an int >= 0 or None"):
+                moe_comm.set_step(bad)
+        assert current_step() == -1  # nothing was set by the rejected calls
+        moe_comm.set_step(12)
+        assert header(Phase.FORWARD, dispatcher=0, call=1, chunks=1, experts=4, world=2)[Word.STEP] == 12
+    finally:
+        moe_comm.set_step(None)
+    assert header(Phase.FORWARD, dispatcher=0, call=1, chunks=1, experts=4, world=2)[Word.STEP] == -1

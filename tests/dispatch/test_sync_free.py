@@ -149,3 +149,33 @@ def test_sync_free_arguments_are_checked():
     x, idx, _ = _inputs(0, 0, T=3)
     with pytest.raises(ValueError, match="dispatch\\(\\) is not available in sync-free mode"):
         d.dispatch(x, idx)
+
+
+def _rank_folded_step(rank, world_size, mismatch):
+    """70 forwards without a read: the oldest unread exchanges are checked on the device and folded into one
+    flag (channel.MAX_DEFERRED = 64). In the second call (the first one's exchange is read at once), the last
+    rank may be at another step."""
+    d = moe_comm.Dispatcher(E, max_tokens_per_rank=M)
+    x, idx, w = _inputs(rank, 0)
+    try:
+        for call in range(70):
+            moe_comm.set_step(call + (1 if mismatch and call == 1 and rank == world_size - 1 else 0))
+            with torch.no_grad():
+                d(x, idx, w, expert_scale)
+        try:
+            d.check()
+        except Exception as e:  # noqa: BLE001 - the test reads the type and text
+            return f"{type(e).__name__}: {e}"
+        return "value"
+    finally:
+        moe_comm.set_step(None)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("mismatch", [False, True])
+def test_a_step_mismatch_older_than_the_unread_window_still_raises_at_check(ranks, mismatch):
+    for rank, outcome in enumerate(ranks(2).run(_rank_folded_step, mismatch)):
+        if mismatch:
+            assert outcome.startswith("PeerFailed:") and "older than the last 64" in outcome, (rank, outcome)
+        else:
+            assert outcome == "value", (rank, outcome)
