@@ -107,7 +107,9 @@ def set_step(step: Optional[int]) -> None:
     the same step: a rank that skipped a whole step outside moe_comm (an exception caught by the training
     loop, a ``continue``) would otherwise pair its calls with its peers' calls of another step, unnoticed
     until a timeout at the end of the run. With it, every rank raises ``ProtocolError`` naming each rank's
-    step in the first call where they differ. Call it on every rank at the top of each step."""
+    step in the first call where they differ. Call it on every rank at the top of each step (any counter
+    that advances alike on every rank works: with gradient accumulation, a micro-batch counter also catches
+    a skipped micro-batch)."""
     global _step
     if step is None:
         _step = -1
