@@ -28,8 +28,9 @@ from moe_comm.dispatch.autotune import AutoChunker, PipelinePlan, chunk_overhead
 from moe_comm.dispatch import send_rows
 from moe_comm.dispatch.plan import ChunkPlan, DispatchHandle, DispatchOutput, build_chunk_plans, group_pieces
 from moe_comm.dispatch.transport import AllToAll, choose
+from moe_comm.dispatch.two_step import CombineRows, DispatchRows
 from moe_comm.dispatch.workspace import shared_workspace
-from moe_comm.kernels import BACKENDS, select_backend
+from moe_comm.kernels import BACKENDS
 from moe_comm.profiling import Timeline
 
 __all__ = ["Dispatcher", "DispatchOutput", "DispatchHandle", "ChunkPlan"]
@@ -404,7 +405,7 @@ class Dispatcher:
         if send_SH is None:  # one process: the permuted rows are the result
             tokens_RH = ops.permute(x_TH, handle.layout, backend=self.backend)
         else:
-            tokens_RH = _DispatchRows.apply(x_TH, send_SH.narrow(0, 0, plan.num_rows), self, handle)
+            tokens_RH = DispatchRows.apply(x_TH, send_SH.narrow(0, 0, plan.num_rows), self, handle)
         return DispatchOutput(tokens=tokens_RH, tokens_per_expert=plan.tokens_per_expert_e, handle=handle)
 
     def _check_combine(self, expert_out_RH, topk_weight_TK, handle: DispatchHandle) -> None:
@@ -452,7 +453,7 @@ class Dispatcher:
         if self.world_size > 1:
             # y_NH is saved for backward only when the weights need grad: then fresh memory, else a workspace.
             keep = torch.is_grad_enabled() and topk_weight_TK.requires_grad
-            y_NH = _CombineRows.apply(expert_out_RH, self, handle, keep)
+            y_NH = CombineRows.apply(expert_out_RH, self, handle, keep)
         with self.timeline.compute("unpermute"):
             return ops.unpermute(y_NH, handle.layout, topk_weight_TK, backend=self.backend)
 
@@ -581,54 +582,3 @@ def check_call_args(x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn) -> No
         raise TypeError(f"expert_fn must be callable, got {type(expert_fn).__name__}")
     if side_fn is not None and not callable(side_fn):
         raise TypeError(f"side_fn must be callable or None, got {type(side_fn).__name__}")
-
-
-class _DispatchRows(torch.autograd.Function):
-    """Permuted rows [N, H] -> expert-major rows [R, H]; backward sends the gradient back and sums
-    each token's K slots (an unweighted unpermute), after a control exchange that checks every rank
-    is in this backward."""
-
-    @staticmethod
-    def forward(ctx, x_TH, x_NH, d: Dispatcher, handle: DispatchHandle):
-        ctx.d, ctx.handle = d, handle
-        plan = handle.chunks[0]
-        with d.workspace.dropped_on_error():
-            rows_RH = handle.transport.to_experts(x_NH, plan, phase="dispatch", direction="fwd").wait()
-        if d.dispatch_dtype is None:
-            return rows_RH
-        with d.timeline.compute("dequantize"):  # FP8 rows: the gradient passes straight through
-            return d._dequantize(rows_RH, x_TH.shape[1], x_TH.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_RH):
-        d, handle = ctx.d, ctx.handle
-        plan = handle.chunks[0]
-        d._exchange_status(Phase.DISPATCH_BWD, handle)
-        grad_NH = d.workspace.rows("grad_rows", plan.num_rows, grad_RH.shape[1], grad_RH)
-        with d.workspace.dropped_on_error():
-            handle.transport.to_tokens(grad_RH.contiguous(), plan, grad_NH, phase="dispatch", direction="bwd").wait()
-        impl = select_backend(d.backend, grad_RH.device)
-        return impl.unpermute_rows(grad_NH, handle.layout.dest_row_TK), None, None, None
-
-
-class _CombineRows(torch.autograd.Function):
-    """Expert-major rows [R, H] -> rows in sent order [N, H] back on their tokens' ranks."""
-
-    @staticmethod
-    def forward(ctx, y_RH, d: Dispatcher, handle: DispatchHandle, keep: bool):
-        ctx.d, ctx.handle = d, handle
-        plan = handle.chunks[0]
-        out = y_RH.new_empty(plan.num_rows, y_RH.shape[1]) if keep else \
-            d.workspace.rows("combined", plan.num_rows, y_RH.shape[1], y_RH)
-        with d.workspace.dropped_on_error():
-            return handle.transport.to_tokens(y_RH.contiguous(), plan, out, phase="combine", direction="fwd").wait()
-
-    @staticmethod
-    def backward(ctx, grad_NH):
-        d, handle = ctx.d, ctx.handle
-        d._exchange_status(Phase.COMBINE_BWD, handle)
-        with d.workspace.dropped_on_error():
-            grad = handle.transport.to_experts(grad_NH.contiguous(), handle.chunks[0], phase="combine",
-                                               direction="bwd").wait()
-        return grad, None, None, None
-

@@ -1,0 +1,68 @@
+"""The autograd of ``Dispatcher.dispatch`` and ``Dispatcher.combine`` called on their own (user code between
+them): each direction's transfer forward, and in the backward a control exchange that checks every rank is
+in this backward, then the transfer back (plus, for dispatch, the sum of each token's K slots)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from moe_comm.comm.wire import Phase
+from moe_comm.dispatch.plan import DispatchHandle
+from moe_comm.kernels import select_backend
+
+if TYPE_CHECKING:  # the Dispatcher imports this module
+    from moe_comm.dispatch.dispatcher import Dispatcher
+
+__all__ = ["DispatchRows", "CombineRows"]
+
+
+class DispatchRows(torch.autograd.Function):
+    """Permuted rows [N, H] -> expert-major rows [R, H]; backward sends the gradient back and sums
+    each token's K slots (an unweighted unpermute), after a control exchange that checks every rank
+    is in this backward."""
+
+    @staticmethod
+    def forward(ctx, x_TH, x_NH, d: "Dispatcher", handle: DispatchHandle):
+        ctx.d, ctx.handle = d, handle
+        plan = handle.chunks[0]
+        with d.workspace.dropped_on_error():
+            rows_RH = handle.transport.to_experts(x_NH, plan, phase="dispatch", direction="fwd").wait()
+        if d.dispatch_dtype is None:
+            return rows_RH
+        with d.timeline.compute("dequantize"):  # FP8 rows: the gradient passes straight through
+            return d._dequantize(rows_RH, x_TH.shape[1], x_TH.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_RH):
+        d, handle = ctx.d, ctx.handle
+        plan = handle.chunks[0]
+        d._exchange_status(Phase.DISPATCH_BWD, handle)
+        grad_NH = d.workspace.rows("grad_rows", plan.num_rows, grad_RH.shape[1], grad_RH)
+        with d.workspace.dropped_on_error():
+            handle.transport.to_tokens(grad_RH.contiguous(), plan, grad_NH, phase="dispatch", direction="bwd").wait()
+        impl = select_backend(d.backend, grad_RH.device)
+        return impl.unpermute_rows(grad_NH, handle.layout.dest_row_TK), None, None, None
+
+
+class CombineRows(torch.autograd.Function):
+    """Expert-major rows [R, H] -> rows in sent order [N, H] back on their tokens' ranks."""
+
+    @staticmethod
+    def forward(ctx, y_RH, d: "Dispatcher", handle: DispatchHandle, keep: bool):
+        ctx.d, ctx.handle = d, handle
+        plan = handle.chunks[0]
+        out = y_RH.new_empty(plan.num_rows, y_RH.shape[1]) if keep else \
+            d.workspace.rows("combined", plan.num_rows, y_RH.shape[1], y_RH)
+        with d.workspace.dropped_on_error():
+            return handle.transport.to_tokens(y_RH.contiguous(), plan, out, phase="combine", direction="fwd").wait()
+
+    @staticmethod
+    def backward(ctx, grad_NH):
+        d, handle = ctx.d, ctx.handle
+        d._exchange_status(Phase.COMBINE_BWD, handle)
+        with d.workspace.dropped_on_error():
+            grad = handle.transport.to_experts(grad_NH.contiguous(), handle.chunks[0], phase="combine",
+                                               direction="bwd").wait()
+        return grad, None, None, None
+
