@@ -11,6 +11,8 @@ routing weights. ``dispatch``/``combine`` are the same steps with C = 1 and user
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import zlib
 from typing import Callable, Optional
 
@@ -470,7 +472,8 @@ class Dispatcher:
                 ``counts=`` (the host list of tokens_per_expert, already known: no extra sync). If it has a
                 ``prefers_segments(block_rows, device)`` method returning True for this call's mean rows per
                 (source rank, local expert) block, it gets the all-to-all's rows as they arrive, in such
-                blocks, with ``segments=`` [(local expert, first row, rows), ...] instead (no regroup pass).
+                blocks, with ``segments=`` [(local expert, first row, rows), ...] instead (no regroup pass;
+                only if its call takes ``segments``).
             num_chunks: overrides the Dispatcher's C for this call (every rank must pass the same: a
                 mismatch raises on every rank).
             side_fn: optional work run while the first dispatch is in flight (shared experts); when
@@ -570,9 +573,24 @@ def check_weights(topk_weight_TK, shape, device) -> None:
 def rank_major_pays(expert_fn, block_rows: float, device: torch.device) -> bool:
     """The experts take this call's rows in (source rank, local expert) blocks of ``block_rows`` mean rows,
     without the regroup pass each way (forward and backward): asked of an expert_fn with a
-    ``prefers_segments(block_rows, device)`` method (GroupedExperts), which knows its GEMMs' shapes."""
+    ``prefers_segments(block_rows, device)`` method (GroupedExperts), which knows its GEMMs' shapes, and whose
+    call takes ``segments=`` (a subclass that overrides ``forward`` without it keeps expert-major rows)."""
     pick = getattr(expert_fn, "prefers_segments", None)
-    return callable(pick) and pick(block_rows, device) is True
+    return callable(pick) and _takes_segments(expert_fn) and pick(block_rows, device) is True
+
+
+def _takes_segments(expert_fn) -> bool:
+    call = expert_fn.forward if isinstance(expert_fn, torch.nn.Module) else expert_fn
+    return _signature_takes_segments(getattr(call, "__func__", call))
+
+
+@functools.lru_cache(maxsize=64)  # once per forward function, not per call
+def _signature_takes_segments(fn) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: do not guess
+        return False
+    return any(p.name == "segments" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def check_call_args(x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn) -> None:

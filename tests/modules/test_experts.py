@@ -481,3 +481,26 @@ def test_prefers_segments_on_cpu_for_large_blocks_only():
     small = GroupedExperts(2, 16, 32)  # F / 2 = 16 < 256
     assert small.prefers_segments(256, cpu) and not small.prefers_segments(255, cpu)
     assert not ex.prefers_segments(1 << 20, torch.device("cuda", 0))
+
+
+def test_a_subclass_whose_forward_takes_no_segments_keeps_expert_major_rows():
+    """The Dispatcher asks ``prefers_segments`` only of experts whose call takes ``segments=``: a subclass that
+    overrides ``forward`` without it (inheriting ``prefers_segments``) would otherwise get a TypeError at the
+    block sizes where the rule says yes."""
+    from moe_comm.dispatch.dispatcher import rank_major_pays
+
+    class Logged(GroupedExperts):
+        def forward(self, tokens_RH, tokens_per_expert_e, counts=None, padded=False):
+            return super().forward(tokens_RH, tokens_per_expert_e, counts=counts, padded=padded)
+
+    class Passes(GroupedExperts):
+        def forward(self, tokens_RH, tokens_per_expert_e, **kwargs):
+            return super().forward(tokens_RH, tokens_per_expert_e, **kwargs)
+
+    cpu = torch.device("cpu")
+    args = (2, 16, 32)
+    assert rank_major_pays(GroupedExperts(*args), 1024, cpu)
+    assert rank_major_pays(Passes(*args), 1024, cpu)
+    assert not rank_major_pays(Logged(*args), 1024, cpu)
+    assert not rank_major_pays(GroupedExperts(*args), 16, cpu)  # the rule itself still decides
+    assert not rank_major_pays(lambda t, n: t, 1024, cpu)  # no prefers_segments: expert-major rows
