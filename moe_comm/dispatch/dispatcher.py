@@ -581,16 +581,22 @@ def rank_major_pays(expert_fn, block_rows: float, device: torch.device) -> bool:
 
 def _takes_segments(expert_fn) -> bool:
     call = expert_fn.forward if isinstance(expert_fn, torch.nn.Module) else expert_fn
-    return _signature_takes_segments(getattr(call, "__func__", call))
+    fn = getattr(call, "__func__", call)
+    try:
+        return _cached_takes_segments(fn)
+    except TypeError:  # an unhashable callable object: read its signature each time
+        return _signature_takes_segments(fn)
 
 
-@functools.lru_cache(maxsize=64)  # once per forward function, not per call
 def _signature_takes_segments(fn) -> bool:
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # no signature to read: do not guess
         return False
     return any(p.name == "segments" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+_cached_takes_segments = functools.lru_cache(maxsize=64)(_signature_takes_segments)  # once per forward function
 
 
 def check_call_args(x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn) -> None:

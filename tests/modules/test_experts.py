@@ -504,3 +504,14 @@ def test_a_subclass_whose_forward_takes_no_segments_keeps_expert_major_rows():
     assert not rank_major_pays(Logged(*args), 1024, cpu)
     assert not rank_major_pays(GroupedExperts(*args), 16, cpu)  # the rule itself still decides
     assert not rank_major_pays(lambda t, n: t, 1024, cpu)  # no prefers_segments: expert-major rows
+
+    class Unhashable:  # a callable object that cannot key a cache
+        __hash__ = None
+
+        def prefers_segments(self, block_rows, device):
+            return True
+
+        def __call__(self, tokens_RH, tokens_per_expert_e, segments=None):
+            return tokens_RH
+
+    assert rank_major_pays(Unhashable(), 1024, cpu)
