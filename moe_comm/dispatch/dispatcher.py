@@ -11,8 +11,6 @@ routing weights. ``dispatch``/``combine`` are the same steps with C = 1 and user
 """
 from __future__ import annotations
 
-import functools
-import inspect
 import zlib
 from typing import Callable, Optional
 
@@ -28,7 +26,8 @@ from moe_comm.comm.collectives import group_device, group_rank, group_size, reso
 from moe_comm.comm.wire import HEADER_WORDS, MESSAGE_WORDS, Failure, Phase, Word, dtype_code, header
 from moe_comm.dispatch.autotune import AutoChunker, PipelinePlan, chunk_overhead, now
 from moe_comm.dispatch import send_rows
-from moe_comm.dispatch.plan import ChunkPlan, DispatchHandle, DispatchOutput, build_chunk_plans, group_pieces
+from moe_comm.dispatch.plan import (ChunkPlan, DispatchHandle, DispatchOutput, build_chunk_plans, group_pieces,
+                                    rank_major_pays)
 from moe_comm.dispatch.transport import AllToAll, choose
 from moe_comm.dispatch.two_step import CombineRows, DispatchRows
 from moe_comm.dispatch.workspace import shared_workspace
@@ -568,35 +567,6 @@ def check_weights(topk_weight_TK, shape, device) -> None:
     """topk_weight_TK: [T, K] float on the tokens' device (the routing's shape)."""
     check_tensor("topk_weight_TK", topk_weight_TK, shape=list(shape),
                  dtypes=(torch.float32, torch.float64, torch.float16, torch.bfloat16), device=device)
-
-
-def rank_major_pays(expert_fn, block_rows: float, device: torch.device) -> bool:
-    """The experts take this call's rows in (source rank, local expert) blocks of ``block_rows`` mean rows,
-    without the regroup pass each way (forward and backward): asked of an expert_fn with a
-    ``prefers_segments(block_rows, device)`` method (GroupedExperts), which knows its GEMMs' shapes, and whose
-    call takes ``segments=`` (a subclass that overrides ``forward`` without it keeps expert-major rows)."""
-    pick = getattr(expert_fn, "prefers_segments", None)
-    return callable(pick) and _takes_segments(expert_fn) and pick(block_rows, device) is True
-
-
-def _takes_segments(expert_fn) -> bool:
-    call = expert_fn.forward if isinstance(expert_fn, torch.nn.Module) else expert_fn
-    fn = getattr(call, "__func__", call)
-    try:
-        return _cached_takes_segments(fn)
-    except TypeError:  # an unhashable callable object: read its signature each time
-        return _signature_takes_segments(fn)
-
-
-def _signature_takes_segments(fn) -> bool:
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # no signature to read: do not guess
-        return False
-    return any(p.name == "segments" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-
-
-_cached_takes_segments = functools.lru_cache(maxsize=64)(_signature_takes_segments)  # once per forward function
 
 
 def check_call_args(x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn) -> None:

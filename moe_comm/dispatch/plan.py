@@ -1,9 +1,12 @@
-"""Per-call plans: who sends how many rows to whom, per chunk, read from the control exchange.
+"""Per-call plans: who sends how many rows to whom, per chunk, read from the control exchange; and whether the
+experts take the received rows as they arrive (``rank_major_pays``).
 
 Shapes legend: W EP world size, e local experts, C chunks, R rows received (per chunk), N rows sent.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
@@ -13,7 +16,7 @@ from einops import rearrange
 from moe_comm.ops.layout import Layout, RankRows
 
 __all__ = ["ChunkPlan", "DispatchHandle", "DispatchOutput", "build_chunk_plans", "group_pieces",
-           "expert_major_index", "padded_expert_major_index"]
+           "expert_major_index", "padded_expert_major_index", "rank_major_pays"]
 
 
 @dataclass
@@ -225,3 +228,32 @@ def group_pieces(plans: List[ChunkPlan], pieces: int) -> List[ChunkPlan]:
             tokens_per_expert_e=sum(q.tokens_per_expert_e for q in parts),
             counts_e=summed(q.counts_e for q in parts), pieces=parts))
     return chunks
+
+
+def rank_major_pays(expert_fn, block_rows: float, device: torch.device) -> bool:
+    """The experts take this call's rows in (source rank, local expert) blocks of ``block_rows`` mean rows,
+    without the regroup pass each way (forward and backward): asked of an expert_fn with a
+    ``prefers_segments(block_rows, device)`` method (GroupedExperts), which knows its GEMMs' shapes, and whose
+    call takes ``segments=`` (a subclass that overrides ``forward`` without it keeps expert-major rows)."""
+    pick = getattr(expert_fn, "prefers_segments", None)
+    return callable(pick) and _takes_segments(expert_fn) and pick(block_rows, device) is True
+
+
+def _takes_segments(expert_fn) -> bool:
+    call = expert_fn.forward if isinstance(expert_fn, torch.nn.Module) else expert_fn
+    fn = getattr(call, "__func__", call)
+    try:
+        return _cached_takes_segments(fn)
+    except TypeError:  # an unhashable callable object: read its signature each time
+        return _signature_takes_segments(fn)
+
+
+def _signature_takes_segments(fn) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: do not guess
+        return False
+    return any(p.name == "segments" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+_cached_takes_segments = functools.lru_cache(maxsize=64)(_signature_takes_segments)  # once per forward function

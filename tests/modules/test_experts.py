@@ -487,7 +487,7 @@ def test_a_subclass_whose_forward_takes_no_segments_keeps_expert_major_rows():
     """The Dispatcher asks ``prefers_segments`` only of experts whose call takes ``segments=``: a subclass that
     overrides ``forward`` without it (inheriting ``prefers_segments``) would otherwise get a TypeError at the
     block sizes where the rule says yes."""
-    from moe_comm.dispatch.dispatcher import rank_major_pays
+    from moe_comm.dispatch.plan import rank_major_pays
 
     class Logged(GroupedExperts):
         def forward(self, tokens_RH, tokens_per_expert_e, counts=None, padded=False):
