@@ -16,25 +16,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe_comm.comm.collectives import all_to_all_v  # a differentiable all_to_all_single, nothing more
+from moe_comm.dispatch.plan import segments_of
+
 NAME = "plain torch"
 INSTALL = "(nothing: PyTorch only)"
 
 
 def missing():
     return None
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_RH, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (in_splits, out_splits), group
-        out = x_RH.new_empty(sum(out_splits), x_RH.shape[1])
-        dist.all_to_all_single(out, x_RH, out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, g_RH):
-        return _AllToAll.apply(g_RH.contiguous(), *ctx.splits, ctx.group), None, None, None
 
 
 class _Layer(nn.Module):
@@ -58,14 +48,11 @@ class _Layer(nn.Module):
         send = counts_E.view(W, e).sum(1).tolist()  # host sync
         recv_We = recv_E.view(W, e).tolist()
         token_N = order_N // K
-        rows = _AllToAll.apply(x_TH.index_select(0, token_N), [sum(r) for r in recv_We], send, self.group)
-        segments, start = [], 0
-        for r in recv_We:
-            for i, n in enumerate(r):
-                segments.append((i, start, n))
-                start += n
+        recv = [sum(r) for r in recv_We]
+        rows = all_to_all_v(x_TH.index_select(0, token_N), recv, send, self.group)
+        segments = segments_of((i, n) for r in recv_We for i, n in enumerate(r))  # (source rank, expert) blocks
         out = self.experts(rows, torch.tensor([sum(c) for c in zip(*recv_We)]), segments=segments)
-        back = _AllToAll.apply(out, send, [sum(r) for r in recv_We], self.group)
+        back = all_to_all_v(out, send, recv, self.group)
         weighted = back * w_TK.reshape(-1).index_select(0, order_N)[:, None]
         return x_TH.new_zeros(T, H).index_add(0, token_N, weighted)
 
