@@ -99,6 +99,7 @@ def dtype_name(code: int) -> str:
 
 
 _step = -1  # set_step: the training step of this process, carried by every control exchange
+_STEP_MAX = (1 << 63) - 1  # the largest int64
 
 
 def set_step(step: Optional[int]) -> None:
@@ -114,8 +115,10 @@ def set_step(step: Optional[int]) -> None:
     if step is None:
         _step = -1
         return
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"set_step: step must be an int >= 0 or None, got {step!r}")
+    # The step travels as one int64 header word, -1 meaning unset: [0, 2**63 - 1] is what fits.
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= _STEP_MAX:
+        raise ValueError(f"set_step: step must be an int >= 0 or None, in [0, 2**63 - 1 = {_STEP_MAX}] (an int64 "
+                         f"header word; None forgets it), got {step!r}")
     _step = step
 
 
