@@ -42,6 +42,7 @@ namespace {
 
 constexpr int64_t kBlock = 128;              // elements per scale
 constexpr float kFp8Max = 448.0f;            // largest finite e4m3fn
+constexpr float kFp8TopLimit = 240.0f;       // largest e4m3fn below 256: the payload limit at the top ue8m0 scale
 constexpr uint32_t kCanonicalNaN = 0x7FC00000u;
 
 inline uint32_t bits_of(float f) {
@@ -154,6 +155,13 @@ inline at::BFloat16 from_f32<at::BFloat16>(float y) {
   return at::BFloat16(static_cast<uint16_t>(y != y ? 0x7FC0u : rounded), at::BFloat16::from_bits());
 }
 
+// The ue8m0 code from which 448 * s overflows rows of scalar_t (reference.ue8m0_top_code): s = 2^(emax + 1) / 256;
+// there the payload is clamped to +-240 so q * s stays finite (x / s in [248, 256) would round to 256).
+template <typename scalar_t>
+constexpr uint32_t ue8m0_top_code() {
+  return 127u + (std::is_same<scalar_t, at::Half>::value ? 16u : 128u) - 8u;
+}
+
 // The per-block work, inlined into a generic and an AVX2 copy of each row function below.
 // One block: amax (NaN if any NaN), scale, payload bytes, scale bytes.
 template <typename scalar_t>
@@ -175,6 +183,13 @@ __attribute__((always_inline)) inline void quantize_block(const scalar_t* x, int
     if (e == 255) b = 255;  // r inf or NaN
     s = ue8m0_scale(b);
     *scale_dst = static_cast<uint8_t>(b);
+    if (b >= ue8m0_top_code<scalar_t>()) {  // rare (amax > ~3.0e38, float16 > 57344): its own loop
+      // (a < b ? b : a) and (b < a ? b : a) pass a NaN through with its sign, as torch's clamp
+      for (int64_t i = 0; i < len; ++i) {
+        q[i] = e4m3_from_f32(std::min(std::max(v[i] / s, -kFp8TopLimit), kFp8TopLimit));
+      }
+      return;
+    }
   } else {
     s = r == 0.0f ? 1.0f : r;
     if (amax_bits == kCanonicalNaN) s = float_of(kCanonicalNaN);

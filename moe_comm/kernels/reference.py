@@ -20,8 +20,12 @@ Math per block, in float32 (x cast to float32 first, float64 rounding to nearest
       amax inf -> s = inf, amax NaN -> s = NaN (0x7FC00000).
   ue8m0 scale s = 2^(b - 127): the smallest power of two >= r, from the bits of r, b clamped to
       [1, 254]; r == 0 -> b = 127 (s = 1); r inf or NaN -> b = 255 (NaN).
-  q = float8_e4m3fn(clamp(x / s, -448, 448)), torch's conversion: round to nearest even, subnormals
-      down to 2^-9, -0.0 kept, NaN -> 0x7F with the NaN's sign.
+  q = float8_e4m3fn(clamp(x / s, -lim, lim)), torch's conversion: round to nearest even, subnormals
+      down to 2^-9, -0.0 kept, NaN -> 0x7F with the NaN's sign. lim = 448, except for a ue8m0 block
+      whose b is at least ue8m0_top_code(x's dtype) (b = 247 for float32 / bfloat16 / float64 rows, amax
+      > 448 * 2^119 ~ 3.0e38; b = 135 for float16, amax > 448 * 2^7 = 57344): there 448 * s overflows the
+      dtype and x / s in [248, 256) would round up to 256, 256 * s = 2^128 (2^16) = inf, so lim = 240, the
+      largest e4m3 below 256 (error <= 16 / 256 = 2^-4 of |x|, inside the bound of ops/quant.py).
   dequantize: y = float32(q) * s (one IEEE multiply), then cast to the output dtype (nearest even);
       a NaN result is the dtype's canonical quiet NaN (bits 0x7FC00000, 0x7FC0, 0x7E00, 0x7FF8...).
 Non-finite input: a NaN or Inf makes its whole 128-block decode to NaN (s NaN, or s = inf with
@@ -38,11 +42,13 @@ import torch
 from moe_comm._checks import check_bool, check_int, check_out, check_tensor
 
 __all__ = ["permute_rows", "unpermute_rows", "unpermute_weight_grad", "acc_dtype", "FP8_BLOCK", "FP8_MAX",
+           "FP8_TOP_LIMIT", "ue8m0_top_code",
            "FP8_DTYPES", "packed_width", "packed_layout", "quantize_rows", "dequantize_rows", "block_scales",
            "check_quantize_args", "check_dequantize_args"]
 
 FP8_BLOCK = 128  # elements per scale
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_TOP_LIMIT = 240.0  # largest float8_e4m3fn below 256: the payload limit at the top ue8m0 scale
 FP8_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)  # row dtypes quantize / dequantize
 
 
@@ -214,6 +220,15 @@ def _scales_of_blocks(x_TnC: torch.Tensor, ue8m0: bool) -> Tuple[torch.Tensor, t
     return _ue8m0_scale(b_Tn), b_Tn.to(torch.uint8)
 
 
+def ue8m0_top_code(dtype: torch.dtype) -> int:
+    """The ue8m0 code b from which the payload is clamped to +-FP8_TOP_LIMIT for rows of ``dtype``: the
+    scale 2^(b - 127) = 2^(emax + 1) / 256, at which 448 * s overflows the dtype while 240 * s does not.
+    float64 rows are rounded to float32 first, so they share float32's code.
+    Example: float32 / bfloat16 / float64 -> 127 + 128 - 8 = 247 (s = 2^120); float16 -> 127 + 16 - 8 = 135 (s = 256)
+    """
+    return 127 + (16 if dtype == torch.float16 else 128) - 8
+
+
 def _ue8m0_scale(b: torch.Tensor) -> torch.Tensor:
     """float32 2^(b - 127) built from the bits (exact); b = 255 -> NaN (0x7FC00000), b = 0 -> 0."""
     b = b.to(torch.int32)
@@ -247,7 +262,12 @@ def quantize_rows(x_TH: torch.Tensor, ue8m0: bool = False, out: Optional[torch.T
     x_TnC = _blocks(x_TH)
     s_Tn, code_Tn = _scales_of_blocks(x_TnC, ue8m0)
     # one IEEE division by a tensor; clamp keeps NaN; torch's conversion rounds to nearest even
-    q_TnC = (x_TnC / s_Tn[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    v_TnC = x_TnC / s_Tn[:, :, None]
+    q_TnC = v_TnC.clamp(-FP8_MAX, FP8_MAX)
+    if ue8m0:  # the top scale: clamp to 240 so that q * s stays finite in x's dtype (module docstring)
+        top_Tn1 = (code_Tn.to(torch.int32) >= ue8m0_top_code(x_TH.dtype))[:, :, None]
+        q_TnC = torch.where(top_Tn1, v_TnC.clamp(-FP8_TOP_LIMIT, FP8_TOP_LIMIT), q_TnC)
+    q_TnC = q_TnC.to(torch.float8_e4m3fn)
     q_TB = torch.zeros(T, B, dtype=torch.uint8, device=x_TH.device)
     q_TB[:, :H] = q_TnC.view(torch.uint8).view(T, n * FP8_BLOCK)[:, :H]
     q_TB[:, s0:s0 + n * sb] = code_Tn.reshape(T, n * sb)

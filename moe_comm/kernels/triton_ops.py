@@ -25,7 +25,7 @@ import torch
 
 from moe_comm._checks import check_out, check_same_device, check_tensor
 from moe_comm.kernels.reference import (FP8_BLOCK, acc_dtype, check_dequantize_args, check_quantize_args,
-                                        packed_layout)
+                                        packed_layout, ue8m0_top_code)
 
 try:  # optional dependency: the module must import without triton (available() -> False)
     import triton
@@ -214,10 +214,12 @@ if triton is not None:
 
     @triton.jit
     def _quantize_rows_kernel(x_ptr, out_ptr, H, S0, NB, END, B, num_blocks, stride_x, stride_out,
-                              UE8M0: tl.constexpr, BLOCKS: tl.constexpr, GROUP: tl.constexpr):
+                              UE8M0: tl.constexpr, TOP_CODE: tl.constexpr, BLOCKS: tl.constexpr,
+                              GROUP: tl.constexpr):
         """One program packs BLOCKS consecutive blocks of the flat list of all (row, block) pairs,
         g = t * NB + j (a program may span rows): payload bytes and block scales; the lane of block
         j = 0 of a row also zeroes its padding bytes [H, S0) and [END, B), END = S0 + NB * scale bytes.
+        TOP_CODE: reference.ue8m0_top_code(x's dtype); ue8m0 blocks with b >= TOP_CODE clamp to +-240.
 
         Example (H = 2, float32 scales, B = 8, one block, grid (1,)):
             x = [[896.0, -1.0]] -> amax 896, s = 896 / 448 = 2, payload e4m3([448, -0.5]) = [0x7E, 0xB0]
@@ -255,7 +257,11 @@ if triton is not None:
             tl.store(row[:, None] + S0 + j[:, None] * 4 + k[None, :], s_bytes, mask=valid[:, None] & (k[None, :] < 4))
         s = tl.broadcast_to(s_bits.to(tl.float32, bitcast=True)[:, None], [BLOCKS, GROUP])
         y = tl.math.div_rn(x, s)
-        y = tl.where(y > 448.0, 448.0, tl.where(y < -448.0, -448.0, y))  # comparisons keep NaN
+        if UE8M0:  # the top scale: 240 keeps q * s finite in x's dtype (reference.py)
+            lim = tl.broadcast_to(tl.where(b >= TOP_CODE, 240.0, 448.0)[:, None], [BLOCKS, GROUP])
+        else:
+            lim = tl.full([BLOCKS, GROUP], 448.0, tl.float32)
+        y = tl.where(y > lim, lim, tl.where(y < -lim, -lim, y))  # comparisons keep NaN
         tl.store(row[:, None] + cols, _e4m3_from_f32(y), mask=mask)
         p = tl.arange(0, 4)[None, :]
         first = valid[:, None] & (j[:, None] == 0)
@@ -561,7 +567,8 @@ def _launch_quantize(x_TH, ue8m0: bool, out_TB, blocks: Optional[int] = None) ->
     with _on_device(x_TH), _quiet_interpreter():
         _quantize_rows_kernel[grid](
             x_TH, out_TB, H, s0, n, s0 + n * sb, B, T * n, x_TH.stride(0), out_TB.stride(0),
-            UE8M0=ue8m0, BLOCKS=blocks, GROUP=FP8_BLOCK, num_warps=num_warps)
+            UE8M0=ue8m0, TOP_CODE=ue8m0_top_code(x_TH.dtype), BLOCKS=blocks, GROUP=FP8_BLOCK,
+            num_warps=num_warps)
 
 
 def _launch_dequantize(q_RB, hidden: int, ue8m0: bool, out_RH, blocks: Optional[int] = None) -> None:

@@ -17,7 +17,11 @@ y = dequantize_rows(quantize_rows(x)) in float32:
 ``fp8_error_bound`` returns their sum, 2^-4 * |x| + 2^-10 * s, which holds for every element (it also
 covers the float32 roundings of x / s and q * s, each 2^-24 relative).
 ue8m0 scales: the same bounds hold; s is the power of two >= amax / 448, larger than the float32 scale by
-less than 2x, so the absolute floor s * 2^-10 at most doubles.
+less than 2x, so the absolute floor s * 2^-10 at most doubles. At the top scale of the row dtype (s = 2^120
+for float32 / bfloat16, amax > 448 * 2^119 ~ 3.0e38; s = 2^8 for float16, amax > 57344) 448 * s would
+overflow the dtype, so x / s is clamped to +-240 there (x / s < 256 as |x| <= the dtype's max; the clamp
+costs at most 16 / 256 = 2^-4 of |x|): every finite row dequantizes to finite values in float32 and in its
+own dtype, up to the dtype's max (tested at every finite bfloat16 / float16 value and float32's top).
 Conditions: the block is finite (a NaN or Inf makes the whole block decode to NaN; other blocks of the row
 are unaffected); with float32 scales, amax >= 448 * 2^-126 ~ 5.3e-36 (below that amax / 448 is a subnormal
 rounded to few bits, so the block's largest elements may clip at 448; ue8m0 scales have no such limit).

@@ -304,6 +304,81 @@ def test_error_bound_marks_nonfinite_blocks():
     assert b[0, :128].isfinite().all() and b[0, 128:].isnan().all()
 
 
+def extreme_amaxes(dtype: torch.dtype, stride: int = 1) -> torch.Tensor:
+    """Positive finite block amaxes of ``dtype`` at the edges: bfloat16 / float16: the top 2048 finite values
+    and every ``stride``-th below (stride 1: all of them, 32639 / 31743); for
+    float32 the top 4096 values, +-8 ulps around 248 * 2^120 (rounds to 256 * 2^120 = inf without the top
+    clamp) and 448 * 2^119 (the top scale's threshold), 3.3e38, 2000 log-uniform values over the whole
+    range, and tiny ones (subnormals, amax / 448 subnormal or underflowing to 0)."""
+    if dtype != torch.float32:
+        end = 0x7C00 if dtype == torch.float16 else 0x7F80
+        bits = torch.cat([torch.arange(1, end - 2048, stride), torch.arange(end - 2048, end)])
+        return bits.to(torch.int16).view(dtype)
+    top = torch.arange(0x7F7FFFFF - 4095, 0x7F7FFFFF + 1, dtype=torch.int32)
+    near = [torch.tensor([248 * 2.0 ** 120, 448 * 2.0 ** 119]).view(torch.int32)[i] + torch.arange(-8, 9)
+            for i in range(2)]
+    g = torch.Generator().manual_seed(5)
+    sweep = torch.exp2(torch.rand(2000, generator=g, dtype=torch.float64) * 277 - 149).float().view(torch.int32)
+    tiny = torch.tensor([1e-45, 3e-45, 1e-40, 1.17e-38, 448 * 2.0 ** -126, 3.3e38]).view(torch.int32)
+    return torch.cat([top, *near, sweep, tiny]).view(torch.float32).clamp_min(1e-45)
+
+
+def extreme_rows(dtype: torch.dtype, stride: int = 1) -> torch.Tensor:
+    """[T, 130] rows, two blocks each: block 0 has amax a (both signs, one per row of extreme_amaxes)
+    mixed with a times uniform(-1, 1) (so with subnormal-range q), zeros and -0; block 1 is small;
+    plus all-zero rows and a row of float32 / float16 subnormals."""
+    a = extreme_amaxes(dtype, stride)
+    T = len(a)
+    g = torch.Generator().manual_seed(6)
+    x = torch.rand(T, 130, generator=g, dtype=torch.float64) * 2 - 1
+    x[:, 0] = 1.0
+    x[1::2, 0] = -1.0
+    x[:, 1:3] = 2.0 ** -30  # far below amax: e4m3 subnormals or 0 after scaling
+    x[:, 3], x[:, 4] = 0.0, -0.0
+    x = (x[:, :128] * a.double()[:, None]).to(dtype)  # products rounded to the dtype: |x| <= a still
+    tail = (torch.rand(T, 2, generator=g) * 2 - 1).to(dtype)
+    x = torch.cat([x, tail], dim=1)
+    extra = torch.zeros(3, 130, dtype=dtype)
+    extra[1] = torch.finfo(dtype).tiny * torch.linspace(-1, 1, 130).to(dtype)  # subnormal range
+    extra[2, ::2] = torch.finfo(dtype).max  # max and -max in every block with zeros
+    extra[2, 1::4] = -torch.finfo(dtype).max
+    return torch.cat([x, extra])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("which", ["torch", "native", "triton"])
+def test_ue8m0_extremes_stay_finite_and_within_the_bound(which, dtype):
+    """#27.8: with ue8m0 scales every finite row comes back finite (in float32 and in its own dtype) and
+    within fp8_error_bound, up to the dtype's max: at the top scale (2^120; float16: 2^8) x / s in
+    [248, 256) used to round to 256 and 256 * s overflow to inf. Every backend writes the reference's bytes."""
+    impl, device = (reference, torch.device("cpu")) if which == "torch" else \
+        (_native_or_skip() if which == "native" else _triton_or_skip())
+    x = extreme_rows(dtype, stride=16 if which == "triton" else 1)  # the interpreter: ~1 ms per row
+    H = x.shape[1]
+    q = impl.quantize_rows(x.to(device), True).cpu()
+    if which != "torch":
+        assert_bits(q, reference.quantize_rows(x, True), f"packed bytes ({which})")
+    y32 = impl.dequantize_rows(q.to(device), H, torch.float32, True).cpu()
+    assert y32.isfinite().all(), x[~y32.isfinite()][:4]
+    err = (y32.double() - x.double()).abs()
+    bound = ops.fp8_error_bound(x, ue8m0=True)
+    assert (err <= bound).all(), (x[err > bound][:4], y32[err > bound][:4])
+    assert (err / bound).max() > 0.9  # the extremes press on the bound: 240 * s for x -> 256 * s is 2^-4 off
+    y = impl.dequantize_rows(q.to(device), H, dtype, True).cpu()
+    assert y.isfinite().all(), x[~y.isfinite()][:4]
+    assert_bits(y, y32.to(dtype), f"rows in {dtype} ({which})")
+    amax_max = x[-1].abs().max()
+    assert y[-1].abs().max() <= amax_max and y[-1, 0] == -y[-1, 1]  # max and -max: finite, symmetric
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_float32_scales_at_the_extremes_stay_finite(dtype):
+    """float32 scales never overflowed (q <= 448 and 448 * (amax / 448) rounds to amax); kept that way."""
+    x = extreme_rows(dtype)
+    y = reference.dequantize_rows(reference.quantize_rows(x), x.shape[1], dtype)
+    assert y.isfinite().all()
+
+
 # ---------------------------------------------------------------------------------------------------
 # out= buffers, launch variants, integration
 # ---------------------------------------------------------------------------------------------------
