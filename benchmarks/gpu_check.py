@@ -20,7 +20,8 @@ Sections, in run order (each in try/except; the JSON file is rewritten after eac
                  capacity, autocast) vs the dense float64 reference (dense_moe): routing, output, aux loss,
                  every gradient; a second forward and backward must be bit-identical
   host_syncs     host syncs of one forward and one backward: torch.cuda.set_sync_debug_mode("warn") on CUDA,
-                 moe_comm.testing.syncs.HostSyncs anywhere
+                 moe_comm.testing.syncs.HostSyncs anywhere (on CUDA it also sees host -> device copies; its
+                 non_blocking copies from pageable memory are listed apart and FAIL only if measured blocking)
   sync_free      MoEConfig(max_tokens_per_rank=M): no host sync in forward and backward, the dropless
                  layer's output and gradients
   fp8_dispatch   FP8 rows: Triton quantize/dequantize vs the torch reference bit for bit (fp32 and ue8m0
@@ -30,8 +31,13 @@ Sections, in run order (each in try/except; the JSON file is rewritten after eac
                  tensor rejected, Dispatcher and MoELayer on the group (gloo with CPU tensors on the dry run)
   two_ranks      2 spawned ranks over gloo with CUDA tensors on the one GPU (CPU tensors on the dry run):
                  MoELayer vs the dense reference, forward and gradients; host syncs at W = 2
-  timeline       the layer's Timeline on CUDA events (host clock on the dry run): spans of every phase and
-                 chunk, overlap report, Chrome trace
+  nccl_ranks     W = N NCCL ranks, one GPU each (--nccl-ranks N, default 2): uneven all-to-all, MoELayer vs the
+                 reference, host syncs per rank, a mid-call failure (eager and deferred) raised on every rank.
+                 NOT COVERED with fewer GPUs than ranks (NCCL refuses two ranks on one device: on one GPU, W >= 2
+                 runs only over gloo); ``--dry-run-cpu --nccl-ranks N`` runs it on N gloo ranks on CPU
+  timeline       the layer's Timeline on CUDA events (host clock on the dry run): on the layer's device at
+                 construction and after the first forward, spans of every phase and chunk, overlap report,
+                 Chrome trace
   pytest_gpu     python -m pytest -q -m gpu tests, in a subprocess
 
 A section is PASS when its checks ran and held, FAIL when one did not or the section raised, NOT COVERED
@@ -40,6 +46,7 @@ A section that runs out of --budget seconds is not started: NOT COVERED ("budget
 
     python benchmarks/gpu_check.py --json /tmp/gpu_check.json            # on the GPU machine
     python benchmarks/gpu_check.py --dry-run-cpu --json /tmp/dry.json     # CI, no GPU: < 60 s
+    python benchmarks/gpu_check.py --nccl-ranks 4 --json /tmp/gpu4.json   # a machine with 4 GPUs: W = 4 NCCL
 
 Exit status: 0 every section PASS or NOT COVERED (with a reason); 1 a section FAILed (or the run hung and
 faulthandler ended it at --budget + 25 s, inside 6 minutes by default: the JSON keeps the finished sections,
@@ -248,8 +255,15 @@ def host_syncs_class():
     return HostSyncs
 
 
-def count_syncs(fn: Callable[[], object], how: str) -> Tuple[object, List[str]]:
-    """(fn(), the host syncs it made): how = "cuda" (sync debug mode) or "hostsyncs" (HostSyncs.events)."""
+# HostSyncs' kind for a non_blocking host -> device copy from pageable memory: CUDA stages it through a pinned
+# buffer and "might be synchronous" (CUDA runtime, API synchronization behavior); set_sync_debug_mode does not
+# flag it. Kept apart from the counted syncs and judged by pageable_copy_blocks, measured on the device.
+PAGEABLE = "copy to device from pageable memory"
+
+
+def count_syncs(fn: Callable[[], object], how: str, pageable: Optional[List[str]] = None) -> Tuple[object, List[str]]:
+    """(fn(), the host syncs it made): how = "cuda" (sync debug mode) or "hostsyncs" (HostSyncs.events). With
+    ``pageable`` (a list), HostSyncs' pageable host -> device copies go there instead of into the result."""
     if how == "cuda":
         events: List[str] = []
         with cuda_sync_warnings(events):
@@ -257,7 +271,39 @@ def count_syncs(fn: Callable[[], object], how: str) -> Tuple[object, List[str]]:
         return out, events
     with host_syncs_class()() as s:
         out = fn()
-    return out, [str(e) for e in s.events]
+    events = [str(e) for e in s.events]
+    if pageable is None:
+        return out, events
+    pageable += [e for e in events if e.startswith(PAGEABLE)]
+    return out, [e for e in events if not e.startswith(PAGEABLE)]
+
+
+def pageable_copy_blocks(device: torch.device) -> Tuple[bool, str]:
+    """Measured: does ``x.to(device, non_blocking=True)`` of a small pageable CPU tensor (a control row's size)
+    wait on the host for ~0.2 s of GPU work queued before it? (blocks, detail)."""
+    src = torch.arange(64, dtype=torch.int64)  # pageable: not pinned
+    torch.cuda.synchronize(device)
+    torch.cuda._sleep(SLEEP_CYCLES)
+    t0 = time.perf_counter()
+    src.to(device, non_blocking=True)
+    host_ms = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize(device)
+    blocks = host_ms > 50.0
+    return blocks, f"a 512 B pageable non_blocking copy behind ~200 ms of queued GPU work took {host_ms:.2f} ms " \
+                   f"on the host: {'blocks' if blocks else 'does not block'}"
+
+
+def check_pageable(rec: Record, label: str, pageable: List[str], device: torch.device) -> None:
+    """Pageable host -> device copies (HostSyncs on CUDA): a FAIL only where such a copy measurably blocks."""
+    rec.data[f"{label}: pageable copies"] = pageable
+    if not pageable:
+        rec.check(f"{label}: no non_blocking copy from pageable memory", True, "none")
+        return
+    blocks, detail = pageable_copy_blocks(device)
+    rec.data["pageable_copy_blocks"] = detail
+    where = sorted({e.split(" at ", 1)[1].split(": ", 1)[0] for e in pageable})
+    rec.check(f"{label}: {len(pageable)} non_blocking copies from pageable memory do not block", not blocks,
+              f"{detail}; at {where} (fix: .pin_memory() before .to(device, non_blocking=True))")
 
 
 # ======================================================================================= layer helpers
@@ -800,11 +846,12 @@ def sync_layer(ctx: Ctx, num_chunks: int = 2, **opts):
     return layer, x
 
 
-def fwd_bwd_syncs(layer, x, how: str) -> Tuple[List[str], List[str]]:
-    """Host syncs of one forward and of its backward (the loss between them is counted in neither)."""
-    y, fwd = count_syncs(lambda: layer(x), how)
+def fwd_bwd_syncs(layer, x, how: str, pageable: Optional[List[str]] = None) -> Tuple[List[str], List[str]]:
+    """Host syncs of one forward and of its backward (the loss between them is counted in neither); pageable
+    host -> device copies into ``pageable`` when given (see count_syncs)."""
+    y, fwd = count_syncs(lambda: layer(x), how, pageable)
     loss = y.float().square().mean() + layer.aux_loss
-    _, bwd = count_syncs(loss.backward, how)
+    _, bwd = count_syncs(loss.backward, how, pageable)
     return fwd, bwd
 
 
@@ -831,8 +878,11 @@ def sec_host_syncs(ctx: Ctx, rec: Record) -> None:
         layer, x = sync_layer(ctx, **opts)
         layer(x).float().square().mean().backward()  # warm-up: first-call work is not the steady state
         for how, counter in ways:
-            fwd, bwd = fwd_bwd_syncs(layer, x, how)
+            pageable: List[str] = []
+            fwd, bwd = fwd_bwd_syncs(layer, x, how, pageable)
             rec.data[f"{label}: {counter}"] = {"forward": fwd, "backward": bwd}
+            if how == "hostsyncs" and ctx.cuda:
+                check_pageable(rec, f"{label}, {counter}", pageable, ctx.device)
             rec.check(f"{label}, {counter}: forward {W1_FORWARD_SYNCS} sync", len(fwd) == W1_FORWARD_SYNCS,
                       f"{len(fwd)}: {fwd}")
             rec.check(f"{label}, {counter}: backward {W1_BACKWARD_SYNCS} syncs (W = 1)",
@@ -865,8 +915,11 @@ def sec_sync_free(ctx: Ctx, rec: Record) -> None:
     if host_syncs_class() is None:
         rec.not_covered("HostSyncs", "moe_comm.testing.syncs missing")
     for how, label in ways:
-        fwd, bwd = fwd_bwd_syncs(free, x, how)
+        pageable: List[str] = []
+        fwd, bwd = fwd_bwd_syncs(free, x, how, pageable)
         rec.data[f"{how}_forward"], rec.data[f"{how}_backward"] = fwd, bwd
+        if how == "hostsyncs" and ctx.cuda:
+            check_pageable(rec, label, pageable, ctx.device)
         rec.check(f"{label}: forward 0 syncs", not fwd, f"{len(fwd)}: {fwd}")
         rec.check(f"{label}: backward 0 syncs", not bwd, f"{len(bwd)}: {bwd}")
 
@@ -1045,8 +1098,11 @@ def sec_fp8_dispatch(ctx: Ctx, rec: Record) -> None:
     if host_syncs_class() is None:
         rec.not_covered("HostSyncs", "moe_comm.testing.syncs missing")
     else:
-        fwd, bwd = fwd_bwd_syncs(quant, x, "hostsyncs")
+        pageable: List[str] = []
+        fwd, bwd = fwd_bwd_syncs(quant, x, "hostsyncs", pageable)
         rec.data["hostsyncs_forward"], rec.data["hostsyncs_backward"] = fwd, bwd
+        if ctx.cuda:
+            check_pageable(rec, "HostSyncs", pageable, ctx.device)
         rec.check("HostSyncs: forward 1 sync (the control exchange read)", len(fwd) == 1, f"{len(fwd)}: {fwd}")
         rec.check("HostSyncs: backward 0 syncs (W = 1)", not bwd, f"{len(bwd)}: {bwd}")
 
@@ -1198,6 +1254,203 @@ def sec_two_ranks(ctx: Ctx, rec: Record) -> None:
         rec.not_covered("host syncs at W = 2", "moe_comm.testing.syncs missing")
 
 
+# ------------------------------------------------------------------------------- nccl ranks
+# NCCL takes one GPU per rank (two ranks on one device: "Duplicate GPU detected"), so on one GPU W >= 2 never runs
+# over NCCL (two_ranks runs W = 2 over gloo with CUDA tensors). --nccl-ranks N runs W = N NCCL ranks on a machine
+# with N GPUs; on the dry run (--dry-run-cpu --nccl-ranks N) the same section on N gloo ranks on CPU.
+def nccl_ranks_tokens(world: int) -> List[int]:
+    """Uneven tokens per rank: 7, 12, 8, 13, 9, ..."""
+    return [7 + (5 * r) % 9 for r in range(world)]
+
+
+def nccl_ranks_case(world: int, seed: int):
+    import moe_comm
+
+    cfg = moe_comm.MoEConfig(hidden_size=24, ffn_hidden_size=40, num_experts=2 * world, top_k=2, num_chunks=2)
+    return cfg, layer_data(cfg, sum(nccl_ranks_tokens(world)), seed)
+
+
+def nccl_ranks_worker(rank: int, world: int, init_file: str, out_dir: str, dry: bool, seed: int) -> None:
+    """One of ``world`` spawned ranks (pickled by reference: module level). Writes rank<r>.pt, whatever happens."""
+    try:
+        result = nccl_ranks_rank(rank, world, init_file, dry, seed)
+    except Exception:  # noqa: BLE001 - the parent reports it
+        result = {"error": traceback.format_exc()}
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def outcome(fn: Callable[[], object]) -> str:
+    """'value' when fn returned, else 'ExcType: message'."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the parent checks the type and text
+        return f"{type(exc).__name__}: {exc}"
+    return "value"
+
+
+def nccl_ranks_failure(rank: int, world: int, dev: torch.device, kernels: str) -> Dict:
+    """A mid-call failure: the last rank's expert_fn raises at chunk 1 of 2 (after chunk 0's rows moved), with
+    end_check "eager" (every rank raises in the call) and "deferred" (every call returns placeholder rows, every
+    rank raises at check()); then a good call on the same Dispatcher. {end_check: (call, check, good call ok)}."""
+    import torch.distributed as dist
+
+    import moe_comm
+
+    E, T, K, bad = 2 * world, 9, 2, world - 1
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(T, 8, generator=g).to(dev)
+    idx = torch.rand(T, E, generator=g).argsort(1)[:, :K].to(dev)
+    w = torch.rand(T, K, generator=g).to(dev)
+    out = {}
+    for end_check in ("eager", "deferred"):
+        d = moe_comm.Dispatcher(num_experts=E, ep_group=dist.group.WORLD, backend=kernels, end_check=end_check)
+        calls = []
+
+        def failing(t, c):
+            calls.append(1)
+            if rank == bad and len(calls) == 2:
+                raise ValueError("expert_fn failed on purpose at chunk 1")
+            return t * 2.0
+
+        first = outcome(lambda: d(x, idx, w, failing, num_chunks=2))
+        second = outcome(d.check) if end_check == "deferred" else "not read"
+        y = d(x, idx, w, lambda t, c: t * 2.0, num_chunks=2)
+        good = bool(torch.allclose(y, 2 * w.sum(1, keepdim=True) * x, rtol=1e-5, atol=1e-6))
+        out[end_check] = (first, second, good)
+    return out
+
+
+def nccl_ranks_rank(rank: int, world: int, init_file: str, dry: bool, seed: int) -> Dict:
+    t0 = time.perf_counter()
+    import torch.distributed as dist
+
+    import moe_comm
+
+    dev = torch.device("cpu") if dry else torch.device("cuda", rank)
+    backend, kernels = ("gloo", "torch") if dry else ("nccl", "auto")
+    kw = {} if dry else {"device_id": dev}
+    if not dry:
+        torch.cuda.set_device(dev)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60), **kw)
+    try:
+        out = {"backend": str(dist.get_backend()), "init_s": time.perf_counter() - t0}
+        # uneven all_to_all_single: rank r sends 1 + (r + w) % 3 elements to rank w, valued 100 r + w
+        in_splits = [1 + (rank + w) % 3 for w in range(world)]
+        out_splits = [1 + (s + rank) % 3 for s in range(world)]
+        send = torch.cat([torch.full((n,), 100.0 * rank + w) for w, n in enumerate(in_splits)]).to(dev)
+        recv = torch.empty(sum(out_splits), device=dev)
+        dist.all_to_all_single(recv, send, out_splits, in_splits)
+        want = torch.cat([torch.full((n,), 100.0 * s + rank) for s, n in enumerate(out_splits)])
+        out["a2a_ok"] = bool(torch.equal(recv.cpu(), want))
+        cfg, d = nccl_ranks_case(world, seed)
+        tokens = nccl_ranks_tokens(world)
+        layer = moe_comm.MoELayer(cfg, seed=1, device=dev, dtype=torch.float32, backend=kernels, end_check="deferred")
+        load_layer(layer, d, rank, world)
+        start = sum(tokens[:rank])
+        x_TH = d["x"][start:start + tokens[rank]].float().to(dev)
+        gy = d["gy"][start:start + tokens[rank]].to(dev)
+        run_layer(layer, x_TH, gy)  # warm-up
+        got = run_layer(layer, x_TH, gy)
+        out.update({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in got.items()})
+        out["syncs"], pageable = {}, []
+        for how in ([] if dry else ["cuda"]) + (["hostsyncs"] if host_syncs_class() is not None else []):
+            out["syncs"][how] = fwd_bwd_syncs(layer, x_TH.clone().requires_grad_(True), how,
+                                              pageable if how == "hostsyncs" else None)
+        out["pageable"] = pageable
+        if pageable and not dry:
+            out["pageable_blocks"] = pageable_copy_blocks(dev)
+        out["failure"] = nccl_ranks_failure(rank, world, dev, kernels)
+        out["total_s"] = time.perf_counter() - t0
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+NCCL_RANKS_SEED = 950
+
+
+@section("nccl_ranks", needs_s=30)
+def sec_nccl_ranks(ctx: Ctx, rec: Record) -> None:
+    """W = N NCCL ranks, one GPU each (--nccl-ranks N, default 2): uneven all_to_all_single, MoELayer vs the dense
+    reference (forward, aux loss, gradients), host syncs per rank (forward 1, backward 1), a mid-call failure
+    raised on every rank (eager and deferred) with the group usable after it. The dry run: N gloo ranks on CPU,
+    only when --nccl-ranks is given."""
+    import torch.multiprocessing as mp
+
+    world = ctx.args.nccl_ranks or 2
+    gpus = torch.cuda.device_count() if ctx.cuda else 0
+    rec.data.update(world=world, gpus=gpus)
+    need = (f"NCCL with W = {world} needs {world} GPUs, one per rank (NCCL refuses two ranks on one device); "
+            f"{gpus} GPU{'' if gpus == 1 else 's'} here")
+    if ctx.dry and ctx.args.nccl_ranks is None:
+        raise NotCovered(f"{need} (dry run); --dry-run-cpu --nccl-ranks N runs this section on N gloo ranks")
+    if not ctx.dry and gpus < world:
+        raise NotCovered(f"{need}: W >= 2 ran only over gloo (two_ranks); run --nccl-ranks N on N GPUs")
+    out_dir = tempfile.mkdtemp(dir=ctx.tmpdir)
+    job = {"procs": mp.start_processes(nccl_ranks_worker, nprocs=world, join=False, start_method="spawn",
+                                       args=(world, os.path.join(out_dir, "store"), out_dir, ctx.dry, NCCL_RANKS_SEED)),
+           "t0": time.monotonic()}
+    deadline = child_deadline(ctx, job)
+    while not job["procs"].join(timeout=0.5):
+        if time.monotonic() > deadline:
+            kill_job(job)
+            raise RuntimeError(f"the {world} ranks did not finish in {time.monotonic() - job['t0']:.0f} s "
+                               "(a hung collective?)")
+    results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    for r, res in enumerate(results):
+        if "error" in res:
+            raise RuntimeError(f"rank {r}: {res['error'][-1500:]}")
+    rec.data["backend"] = results[0]["backend"]
+    rec.data["rank_seconds"] = [{k: round(r[k], 2) for k in ("init_s", "total_s")} for r in results]
+    rec.check(f"{world} ranks over {results[0]['backend']}", all(r["backend"] == ("gloo" if ctx.dry else "nccl")
+                                                                 for r in results), rec.data["backend"])
+    rec.check("uneven all_to_all_single", all(r["a2a_ok"] for r in results))
+    cfg, d = nccl_ranks_case(world, NCCL_RANKS_SEED)
+    ref = dense_reference(d, cfg, nccl_ranks_tokens(world), torch.float32, torch.float32, torch.device("cpu"))
+    tol = REL_TOL[torch.float32]
+    differ = int((torch.cat([r["topk"] for r in results]) != ref["topk"]).any(1).sum())
+    rec.check("routing equals the reference", differ == 0, f"{differ} tokens routed differently")
+    check_rel(rec, "output", torch.cat([r["y"] for r in results]), ref["y"], tol)
+    aux = sum(r["aux"] for r in results)
+    rec.check("aux loss (sum over ranks)", abs(aux - ref["aux"]) <= tol * max(1.0, abs(ref["aux"])),
+              f"{aux:.6g} vs {ref['aux']:.6g}")
+    check_rel(rec, "grad x", torch.cat([r["x"] for r in results]), ref["x"], tol)
+    check_rel(rec, "grad router (sum over ranks)", sum(r["router"].double() for r in results), ref["router"], tol)
+    for name in ("w1", "w3", "w2"):
+        check_rel(rec, f"grad {name}", torch.cat([r[name] for r in results]), ref[name], tol)
+    # W >= 2, end_check="deferred": the forward reads the counts exchange; the backward its check-in: one each
+    rec.data["syncs"] = [r["syncs"] for r in results]
+    for how in results[0]["syncs"]:
+        counter = "set_sync_debug_mode" if how == "cuda" else "HostSyncs"
+        for r, res in enumerate(results):
+            fwd, bwd = res["syncs"][how]
+            rec.check(f"rank {r} {counter}: forward 1, backward 1", (len(fwd), len(bwd)) == (1, 1),
+                      f"forward {fwd}, backward {bwd}")
+    if host_syncs_class() is None:
+        rec.not_covered("HostSyncs", "moe_comm.testing.syncs missing")
+    if ctx.dry:
+        rec.not_covered("set_sync_debug_mode", "no CUDA on the dry run")
+    for r, res in enumerate(results):
+        if res["pageable"]:
+            blocks, detail = res["pageable_blocks"]
+            where = sorted({e.split(" at ", 1)[1].split(": ", 1)[0] for e in res["pageable"]})
+            rec.check(f"rank {r}: {len(res['pageable'])} non_blocking copies from pageable memory do not block",
+                      not blocks, f"{detail}; at {where}")
+    bad = world - 1
+    rec.data["failure"] = [r["failure"] for r in results]
+    for r, res in enumerate(results):
+        own = "ValueError:" if r == bad else "PeerFailed:"
+        first, _, good = res["failure"]["eager"]
+        rec.check(f"rank {r}: mid-call failure on rank {bad}, eager: raises {own[:-1]} in the call",
+                  first.startswith(own) and "on purpose" in first, first[:300])
+        first, second, good_d = res["failure"]["deferred"]
+        rec.check(f"rank {r}: mid-call failure on rank {bad}, deferred: the call returns, check() raises {own[:-1]}",
+                  first == "value" and second.startswith(own) and "on purpose" in second,
+                  f"{first[:150]} | {second[:150]}")
+        rec.check(f"rank {r}: the next call after each failure is right", good and good_d)
+
+
 # ------------------------------------------------------------------------------- timeline
 @section("timeline", needs_s=5)
 def sec_timeline(ctx: Ctx, rec: Record) -> None:
@@ -1211,14 +1464,20 @@ def sec_timeline(ctx: Ctx, rec: Record) -> None:
     cfg = moe_comm.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=K, num_chunks=C)
     layer = moe_comm.MoELayer(cfg, seed=2, device=ctx.device, dtype=dtype, backend=ctx.backend,
                               allow_single_process=True)
-    # The Dispatcher gives its timeline the channel's device, CPU for a layer without a process group; host
-    # clocks around CUDA work time its launches, not its execution. Checked, then pointed at the layer's device.
-    default = layer.timeline.device
-    rec.check("the layer's timeline defaults to the layer's device", default.type == ctx.device.type,
-              f"timeline on {default}, layer on {ctx.device}")
-    layer.timeline.device = ctx.device
+    # The timeline follows the layer's parameters from construction: a timeline left on the control channel's
+    # device (CPU for a layer without a process group) times CUDA work with host clocks, its launches rather than
+    # its execution. Checked before the first forward (which must not be what moves it), again after it, and
+    # never set here: the spans below come from the device the layer chose. On the dry run the layer is on the
+    # CPU like the channel, so this passes either way (tests/tools/test_gpu_check.py checks a meta layer).
+    def on_layer_device() -> Tuple[bool, str]:
+        tl, p = layer.timeline.device, layer.router.weight.device
+        same = tl.type == p.type and (tl.index is None or p.index is None or tl.index == p.index)
+        return same, f"timeline on {tl}, parameters on {p}"
+
+    rec.check("timeline on the layer's device at construction, before any forward", *on_layer_device())
     x = torch.randn(T, H, generator=ctx.gen(8), device=ctx.device).to(dtype).requires_grad_(True)
     layer(x).float().square().mean().backward()  # warm-up, timeline off
+    rec.check("timeline on the layer's device after the first forward", *on_layer_device())
     layer.timeline.enabled = True
     try:
         layer(x).float().square().mean().backward()
@@ -1407,10 +1666,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--only", metavar="NAMES", help=f"comma-separated sections to run (others NOT COVERED): {names}")
     p.add_argument("--inject-failure", metavar="SECTION", choices=names,
                    help="make SECTION raise (shows that the check can fail)")
+    p.add_argument("--nccl-ranks", type=int, metavar="N",
+                   help="nccl_ranks: W = N NCCL ranks, one GPU each (default 2; NOT COVERED with fewer GPUs); with "
+                        "--dry-run-cpu the same section on N gloo ranks on CPU")
     p.add_argument("--child", choices=["world1"], help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.selected = names if not args.only else [s.strip() for s in args.only.split(",") if s.strip()]
+    if args.nccl_ranks is not None and args.nccl_ranks < 2:
+        p.error(f"--nccl-ranks: N >= 2 ranks (one rank: nccl_world1), got {args.nccl_ranks}")
     unknown = sorted(set(args.selected) - set(names))
     if unknown:
         p.error(f"--only: unknown sections {unknown}; known: {names}")

@@ -1,14 +1,19 @@
-"""Host syncs of one MoELayer step, listed exactly, for every option, on 1 and 2 gloo ranks.
+"""Tier 1 (the recorder, the W = 1 lists) and tier 2 (multi-rank gloo): host syncs of one MoELayer step, listed
+exactly, for every option, on 1 and 2 gloo ranks.
 
 HostSyncs (moe_comm.testing.syncs) records on CPU what would make the host wait for a CUDA device. With
 backend="torch" (the layout a CUDA run uses) and end_check="deferred" (the CUDA default) a forward has
 exactly one: the dispatcher's control-exchange read; a backward on W > 1 has one: its check-in read, which
 raises a forward failure on every rank before any gradient moves (W = 1: none); the sync-free mode
 (max_tokens_per_rank) has none after its first call. One copy per rank (dedup) and FP8 dispatch add none.
+The recorder also sees the CUDA-only kinds (host -> device copies, torch.equal, stream and event waits) on
+CPU, with ``meta`` standing in for the device; the layer's tensors are on the CPU here, so its host -> device
+copies show only on a CUDA run (benchmarks/gpu_check.py, host_syncs).
 """
 import pytest
 import torch
 
+import moe_comm.testing.syncs as syncs
 import moe_comm
 from moe_comm.placement.planner import plan_placement
 from moe_comm.testing.syncs import HostSyncs
@@ -107,3 +112,61 @@ def test_host_syncs_sees_what_it_should():
     whats = [e.what for e in s.events]
     assert whats == ["tolist", "aten.nonzero", "index[bool]", "aten.bincount", "aten.repeat_interleave",
                      "__bool__", "item"], s.report()
+
+
+def _called(fn):
+    """fn(), whose failure is expected where there is no CUDA: the recorder sees the call before it runs."""
+    try:
+        fn()
+    except (AssertionError, RuntimeError, TypeError):  # "not compiled with CUDA", no accelerator, a stand-in
+        pass
+
+
+def test_host_syncs_sees_cuda_only_kinds():
+    """The kinds that block only on a device, seen on CPU: a copy to any device type but cpu (meta here) is
+    host -> device; torch.equal; the waits of torch.cuda / accelerator, Event and Stream. A pinned
+    non_blocking source, a copy to the CPU, host data kept on the CPU and a marked line are not recorded."""
+    x = torch.arange(6)
+    cuda = torch.cuda.is_available()
+    with HostSyncs() as s:
+        torch.tensor([1, 2], device="meta")
+        torch.as_tensor([1, 2], device="meta")
+        torch.as_tensor(x, device="meta")  # a tensor's copy: one event (the aten copy), not two
+        x.to("meta")
+        x.to("meta", non_blocking=True)  # pageable source: CUDA stages it and may wait
+        torch.empty(6, dtype=torch.int64, device="meta").copy_(x)
+        torch.equal(x, x + 0)
+        torch.empty(6, device="meta")[torch.tensor([0, 1])]
+        _called(torch.cuda.synchronize)
+        _called(lambda: (torch.cuda.Event() if cuda else torch.cuda.Event.synchronize(object())).synchronize())
+        _called(lambda: torch.cuda.current_stream().synchronize() if cuda else torch.cuda.Stream.synchronize(object()))
+        if hasattr(torch, "accelerator"):
+            _called(torch.accelerator.synchronize)
+        torch.tensor([1, 2])  # host data on the host: nothing to wait for
+        x.to("cpu")
+        x.to("meta")  # host sync: none, a test of the marker
+        if cuda:
+            x.pin_memory().to("cuda", non_blocking=True)
+    whats = [e.what for e in s.events]
+    want = ["tensor(data) to device", "tensor(data) to device", "copy to device", "copy to device",
+            "copy to device from pageable memory", "copy to device", "aten.equal", "index with host indices",
+            "cuda.synchronize", "Event.synchronize", "Stream.synchronize"]
+    want += ["accelerator.synchronize"] if hasattr(torch, "accelerator") else []
+    assert whats == want, s.report()
+    assert all(e.file == __file__ for e in s.events), s.report()
+
+
+def test_host_syncs_default_device_and_restore():
+    """torch.tensor(data) with no device follows the default device; the wrapped methods are restored on exit."""
+    saved = {(id(obj), attr): getattr(obj, attr) for obj, attr, _ in syncs.WAITS}
+    tolist = torch.Tensor.tolist
+    with HostSyncs() as s:
+        with torch.device("meta"):
+            torch.tensor([1.0, 2.0])
+        torch.tensor([1.0, 2.0])
+    assert [e.what for e in s.events] == ["tensor(data) to device"], s.report()
+    assert {(id(obj), attr): getattr(obj, attr) for obj, attr, _ in syncs.WAITS} == saved
+    assert torch.Tensor.tolist is tolist and torch.get_default_device().type == "cpu"
+    with HostSyncs() as inner:  # nothing leaks from one recorder into the next
+        pass
+    assert inner.count == 0
