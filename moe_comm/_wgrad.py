@@ -6,7 +6,9 @@ the weight-gradient GEMMs (two thirds of a SwiGLU backward) then run while that 
 An expert autograd Function that supports it checks ``active()`` in its backward: when a collector is
 active it returns the input gradient only (None for the weights) and queues a closure that computes the
 weight gradients; ``WeightGrads.run()`` computes them and hands them to autograd, so they reach ``.grad``
-through whatever produced the Function's weight inputs (a Parameter, an autocast cast) with its hooks.
+through whatever produced the Function's weight inputs (a Parameter, or a cast an ``expert_fn`` made) with its
+hooks. GroupedExperts' Functions take the Parameters themselves, under autocast too (they cast inside and return
+the gradients in the Parameters' dtype), so every chunk's weight gradients go to the same inputs.
 
     with deferring() as wgrads:
         torch.autograd.backward([out], [grad])   # input gradient only
@@ -57,8 +59,10 @@ class GradSums:
     """The weight gradients of the chunks of one backward, summed before autograd sees them.
 
     The first chunk's gradients become the sums; a later chunk's closure with ``accumulates = True`` is called
-    with ``into=sums`` and adds with its GEMMs (addmm_), any other closure's result is added. A chunk whose
-    inputs differ from the last one's (under autocast every chunk casts the weights anew) flushes first. Per
+    with ``into=sums`` and adds with its GEMMs (addmm_), any other closure's result is added (under autocast
+    GroupedExperts' gradients come in the Parameters' dtype, fp32: the chunks are summed in fp32, in chunk
+    order, as autograd's accumulation into ``.grad`` would). A chunk whose inputs differ from the last one's (an
+    ``expert_fn`` that casts the weights itself, anew every chunk) flushes first. Per
     chunk after the first this saves the zero-filled gradient buffers and autograd's accumulation into
     ``.grad`` (here, e = 4, H = F = 512 fp32: 12 MiB each, ~3 passes of memory traffic per chunk). The totals
     round like any other summation order: equal to chunk-by-chunk accumulation to float rounding.
@@ -72,7 +76,7 @@ class GradSums:
         key = tuple(id(t) for t in inputs)
         entry = self.entries.get(key)
         if entry is None:
-            # other inputs than the last chunk's (autocast casts the weights anew every chunk): hand the earlier
+            # other inputs than the last chunk's (an expert_fn casting the weights anew every chunk): hand the earlier
             # sums to autograd now, so at most one chunk's gradients are held
             self.flush()
             self.entries[key] = (tuple(inputs), list(compute()))

@@ -114,6 +114,24 @@ def _use_grouped_mm(x_RH: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: 
     return (padded or x_RH.device.type != "cpu") and _grouped_mm_works(x_RH, w1, w3, w2)
 
 
+def _gemm_weights(weights, low) -> tuple:
+    """The weights an expert forward's GEMMs read: ``low`` (the weights cast to the autocast dtype, made
+    without autograd by ``GroupedExperts.forward``) or, without it, the weights themselves."""
+    return tuple(weights) if low is None else tuple(low)
+
+
+def _recast(weights, low_dtype) -> tuple:
+    """In an expert backward: the saved weights cast again to the dtype the forward's GEMMs read (None: as
+    they are). The cast rounds the same bits as the forward's, so the GEMMs see the same operands."""
+    return tuple(weights) if low_dtype is None else tuple(w.to(low_dtype) for w in weights)
+
+
+def _to_weight_dtypes(grads, weights) -> tuple:
+    """Weight gradients computed in the autocast dtype, back in their weights' dtypes (what the autocast cast's
+    backward did when the forward saved the cast copies)."""
+    return tuple(g if g is None or g.dtype == w.dtype else g.to(w.dtype) for g, w in zip(grads, weights))
+
+
 def _input_then_weight_grads(gx, weight_grads, weights) -> tuple:
     """(gx, gw1, gw3, gw2) of an expert backward. Inside the pipeline's backward (``_wgrad.active()``) the
     weight gradients are queued and computed while gx travels back: (gx, None, None, None). ``weights``
@@ -124,6 +142,16 @@ def _input_then_weight_grads(gx, weight_grads, weights) -> tuple:
         collector.add(weight_grads, weights)
         return (gx, None, None, None)
     return (gx, *weight_grads())
+
+
+# Autocast (issue 26.4). Every expert Function below takes the weights themselves (the Parameters, fp32) and
+# ``low``: None, or those weights cast to the autocast dtype (no autograd). Its GEMMs read ``low``; it saves
+# the weights themselves, not the copies, and casts them again in backward (``_recast``); the weight
+# gradients, computed in the autocast dtype, are returned in the weights' dtype. Saving the cast copies
+# instead kept C copies of e x 3 x F x H per layer until backward (the pipeline calls the experts once per
+# chunk, each call casting anew); now none (the Parameters are alive anyway). Cost: one more cast of the
+# weights per chunk, in backward (e = 4, H = F = 512: 3 M elements, 0.7 ms median of 21 on one CPU thread;
+# the bf16 GEMMs of one call at R = 4096 take 6 s forward + backward there, ``_use_grouped_mm``).
 
 
 class _GroupedSwiGLU(torch.autograd.Function):
@@ -139,23 +167,26 @@ class _GroupedSwiGLU(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_RH, w1, w3, w2, tokens_per_expert_e, padded):
+    def forward(ctx, x_RH, w1, w3, w2, tokens_per_expert_e, padded, low=None):
+        ctx.weights = (w1, w3, w2)  # the inputs themselves: where deferred weight gradients go
+        ctx.low_dtype = None if low is None else low[0].dtype
+        l1, l3, l2 = _gemm_weights(ctx.weights, low)
         offs_e = tokens_per_expert_e.cumsum(0).to(torch.int32)
-        h1 = torch._grouped_mm(x_RH, w1.mT, offs=offs_e)
-        h3 = torch._grouped_mm(x_RH, w3.mT, offs=offs_e)
-        out_RH = torch._grouped_mm(F.silu(h1) * h3, w2.mT, offs=offs_e)
+        h1 = torch._grouped_mm(x_RH, l1.mT, offs=offs_e)
+        h3 = torch._grouped_mm(x_RH, l3.mT, offs=offs_e)
+        out_RH = torch._grouped_mm(F.silu(h1) * h3, l2.mT, offs=offs_e)
         pad_R1 = None
         if padded:
             pad_R1 = (torch.arange(x_RH.shape[0], device=x_RH.device) >= offs_e[-1:])[:, None]
             out_RH.masked_fill_(pad_R1, 0)
         ctx.padded = padded
         ctx.save_for_backward(x_RH, w1, w3, w2, offs_e, tokens_per_expert_e, h1, h3, pad_R1)
-        ctx.weights = (w1, w3, w2)  # the inputs themselves: where deferred weight gradients go
         return out_RH
 
     @staticmethod
     def backward(ctx, g_RH):
-        x_RH, w1, w3, w2, offs_e, tokens_per_expert_e, h1, h3, pad_R1 = ctx.saved_tensors
+        x_RH, *weights, offs_e, tokens_per_expert_e, h1, h3, pad_R1 = ctx.saved_tensors
+        w1, w3, w2 = _recast(weights, ctx.low_dtype)
         gmm = torch._grouped_mm
         g_RH = g_RH.contiguous()  # an expanded gradient (y.sum()) has strides (0, 0): not a valid operand
         if not _gmm_operand_ok(g_RH):
@@ -182,9 +213,9 @@ class _GroupedSwiGLU(torch.autograd.Function):
                 for gw in (gw1, gw3, gw2):
                     if gw is not None:
                         gw.masked_fill_(empty_e11, 0)
-            return gw1, gw3, gw2
+            return _to_weight_dtypes((gw1, gw3, gw2), weights)
 
-        return _input_then_weight_grads(gx, weight_grads, ctx.weights) + (None, None)
+        return _input_then_weight_grads(gx, weight_grads, ctx.weights) + (None, None, None)
 
 
 class _BmmSwiGLU(torch.autograd.Function):
@@ -193,15 +224,18 @@ class _BmmSwiGLU(torch.autograd.Function):
     output row and adds nothing to any gradient."""
 
     @staticmethod
-    def forward(ctx, x_ECH, w1, w3, w2):
-        h1, h3 = torch.bmm(x_ECH, w1.mT), torch.bmm(x_ECH, w3.mT)
-        ctx.save_for_backward(x_ECH, w1, w3, w2, h1, h3)
+    def forward(ctx, x_ECH, w1, w3, w2, low=None):
         ctx.weights = (w1, w3, w2)  # the inputs themselves: where deferred weight gradients go
-        return torch.bmm(F.silu(h1) * h3, w2.mT)
+        ctx.low_dtype = None if low is None else low[0].dtype
+        l1, l3, l2 = _gemm_weights(ctx.weights, low)
+        h1, h3 = torch.bmm(x_ECH, l1.mT), torch.bmm(x_ECH, l3.mT)
+        ctx.save_for_backward(x_ECH, w1, w3, w2, h1, h3)
+        return torch.bmm(F.silu(h1) * h3, l2.mT)
 
     @staticmethod
     def backward(ctx, g_ECH):
-        x_ECH, w1, w3, w2, h1, h3 = ctx.saved_tensors
+        x_ECH, *weights, h1, h3 = ctx.saved_tensors
+        w1, w3, w2 = _recast(weights, ctx.low_dtype)
         sig = torch.sigmoid(h1)
         silu = h1 * sig
         ga = torch.bmm(g_ECH, w2)                            # [e, cap, F]
@@ -211,13 +245,14 @@ class _BmmSwiGLU(torch.autograd.Function):
         needs = ctx.needs_input_grad
 
         def weight_grads():
-            return (torch.bmm(gh1.mT, x_ECH) if needs[1] else None, torch.bmm(gh3.mT, x_ECH) if needs[2] else None,
-                    torch.bmm(g_ECH.mT, silu * h3) if needs[3] else None)
+            return _to_weight_dtypes((torch.bmm(gh1.mT, x_ECH) if needs[1] else None,
+                                      torch.bmm(gh3.mT, x_ECH) if needs[2] else None,
+                                      torch.bmm(g_ECH.mT, silu * h3) if needs[3] else None), weights)
 
-        return _input_then_weight_grads(gx, weight_grads, ctx.weights)
+        return _input_then_weight_grads(gx, weight_grads, ctx.weights) + (None,)
 
 
-def _padded_bmm_swiglu(x_RH, w1, w3, w2, tokens_per_expert_e) -> torch.Tensor:
+def _padded_bmm_swiglu(x_RH, w1, w3, w2, tokens_per_expert_e, low=None) -> torch.Tensor:
     """Sync-free SwiGLU of expert-major rows followed by padding, without torch._grouped_mm: expert i's
     rows are gathered into slab i of a zeroed [e, cap, H] buffer (cap = R: one expert may hold every row),
     run through ``_BmmSwiGLU`` and gathered back; padding rows give 0. Every index is computed on the
@@ -232,7 +267,7 @@ def _padded_bmm_swiglu(x_RH, w1, w3, w2, tokens_per_expert_e) -> torch.Tensor:
     take_EC1 = (p_C < tokens_per_expert_e[:, None])[..., None]
     # where, not a product with the mask: the rows read by unused slots may be padding holding NaN
     x_ECH = torch.where(take_EC1, x_RH.index_select(0, src_EC.reshape(-1)).view(e, cap, H), 0)
-    y_ECH = _BmmSwiGLU.apply(x_ECH, w1, w3, w2)
+    y_ECH = _BmmSwiGLU.apply(x_ECH, w1, w3, w2, low)
     r_R = torch.arange(R, device=x_RH.device)
     expert_R = torch.bucketize(r_R, end_e, right=True)           # first i with end_i > r; e = padding row
     last_R = expert_R.clamp_max(e - 1)
@@ -254,23 +289,27 @@ class _LoopSwiGLU(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_RH, w1, w3, w2, segments):
+    def forward(ctx, x_RH, w1, w3, w2, segments, low=None):
+        ctx.weights = (w1, w3, w2)  # the inputs themselves: where deferred weight gradients go
+        ctx.low_dtype = None if low is None else low[0].dtype
+        l1, l3, l2 = _gemm_weights(ctx.weights, low)
         out_RH = x_RH.new_empty(x_RH.shape)
         h1s, h3s = [], []
         for i, start, n in segments:
             x = x_RH[start:start + n]
-            h1, h3 = x @ w1[i].t(), x @ w3[i].t()
-            torch.mm(F.silu(h1) * h3, w2[i].t(), out=out_RH[start:start + n])
+            h1, h3 = x @ l1[i].t(), x @ l3[i].t()
+            torch.mm(F.silu(h1) * h3, l2[i].t(), out=out_RH[start:start + n])
             h1s.append(h1)
             h3s.append(h3)
         ctx.segments = segments
         ctx.save_for_backward(x_RH, w1, w3, w2, *h1s, *h3s)
-        ctx.weights = (w1, w3, w2)  # the inputs themselves: where deferred weight gradients go
         return out_RH
 
     @staticmethod
     def backward(ctx, g_RH):
-        x_RH, w1, w3, w2, *acts = ctx.saved_tensors
+        x_RH, *acts = ctx.saved_tensors
+        weights, acts = acts[:3], acts[3:]
+        w1, w3, w2 = _recast(weights, ctx.low_dtype)
         segments = ctx.segments
         h1s, h3s = acts[:len(segments)], acts[len(segments):]
         g_RH = g_RH.contiguous()
@@ -306,11 +345,12 @@ class _LoopSwiGLU(torch.autograd.Function):
                     gw2[i].addmm_(g.t(), act)
                     gw1[i].addmm_(gh1.t(), x)
                     gw3[i].addmm_(gh3.t(), x)
-            return gw1, gw3, gw2
+            return _to_weight_dtypes((gw1, gw3, gw2), weights)
 
-        weight_grads.accumulates = True
+        # GradSums' buffers have the weights' dtype: the GEMMs add into them only when they compute in it
+        weight_grads.accumulates = ctx.low_dtype is None
 
-        return _input_then_weight_grads(gx, weight_grads, ctx.weights) + (None,)
+        return _input_then_weight_grads(gx, weight_grads, ctx.weights) + (None, None)
 
 
 def _blocks(counts: Sequence[int]) -> List[Tuple[int, int, int]]:
@@ -407,7 +447,9 @@ class GroupedExperts(nn.Module):
         sync; always the per-block GEMM loop. Not with ``counts`` or ``padded``.
         Under ``torch.autocast`` the GEMMs run in the autocast dtype, as autocast runs a linear: rows and
         weights are cast to it (the weight gradients flow back to the parameters' dtype) and the output
-        is in that dtype (the pipeline casts it to x's dtype for the wire).
+        is in that dtype (the pipeline casts it to x's dtype for the wire). The cast weights are not kept
+        for backward: the parameters are, and backward casts them again (one call per pipeline chunk would
+        otherwise keep one copy of e x 3 x F x H per chunk until backward).
         """
         if padded and counts is not None:
             raise ValueError("GroupedExperts: padded=True takes no host counts (the row count is on the device)")
@@ -415,29 +457,35 @@ class GroupedExperts(nn.Module):
             if padded or counts is not None:
                 raise ValueError("GroupedExperts: segments= is given instead of counts= and padded=True")
             segments = _check_segments(segments, tokens_RH.shape[0], self.num_local_experts)
-        w1, w3, w2 = self.w1, self.w3, self.w2
+        weights = (self.w1, self.w3, self.w2)
         amp_dtype = _autocast_dtype(tokens_RH)
         if amp_dtype is not None:
             device_type = tokens_RH.device.type
             with torch.autocast(device_type, enabled=False):  # the explicit casts below are the whole policy
-                return self._compute(tokens_RH.to(amp_dtype), w1.to(amp_dtype), w3.to(amp_dtype),
-                                     w2.to(amp_dtype), tokens_per_expert_e, counts, padded, segments)
-        return self._compute(tokens_RH, w1, w3, w2, tokens_per_expert_e, counts, padded, segments)
+                low = None
+                if any(w.dtype != amp_dtype for w in weights):
+                    with torch.no_grad():  # not saved: the expert Function saves the weights, recasts in backward
+                        low = tuple(w.to(amp_dtype) for w in weights)
+                return self._compute(tokens_RH.to(amp_dtype), *weights, tokens_per_expert_e, counts, padded,
+                                     segments, low)
+        return self._compute(tokens_RH, *weights, tokens_per_expert_e, counts, padded, segments)
 
     @staticmethod
-    def _compute(x_RH, w1, w3, w2, tokens_per_expert_e, counts, padded, segments=None) -> torch.Tensor:
+    def _compute(x_RH, w1, w3, w2, tokens_per_expert_e, counts, padded, segments=None, low=None) -> torch.Tensor:
+        """The expert Function for these rows. low: None, or (w1, w3, w2) cast to x_RH's dtype without autograd:
+        the GEMMs read them, the weights themselves are saved (the comment above ``_GroupedSwiGLU``)."""
         if segments is not None:
-            return _LoopSwiGLU.apply(x_RH, w1, w3, w2, segments)
+            return _LoopSwiGLU.apply(x_RH, w1, w3, w2, segments, low)
         if counts is not None and (sum(counts) != x_RH.shape[0] or len(counts) != w1.shape[0]):
             raise ValueError(f"counts must hold e = {w1.shape[0]} row counts summing to R = {x_RH.shape[0]}, "
                              f"got {counts}")
-        if _use_grouped_mm(x_RH, w1, w3, w2, padded):
-            return _GroupedSwiGLU.apply(x_RH, w1, w3, w2, tokens_per_expert_e, padded)
+        if _use_grouped_mm(x_RH, *_gemm_weights((w1, w3, w2), low), padded):
+            return _GroupedSwiGLU.apply(x_RH, w1, w3, w2, tokens_per_expert_e, padded, low)
         if padded:
-            return _padded_bmm_swiglu(x_RH, w1, w3, w2, tokens_per_expert_e)
+            return _padded_bmm_swiglu(x_RH, w1, w3, w2, tokens_per_expert_e, low)
         if counts is None:
             counts = tokens_per_expert_e.tolist()  # host sync: loop bounds (free on CPU tensors)
-        return _LoopSwiGLU.apply(x_RH, w1, w3, w2, _blocks(counts))
+        return _LoopSwiGLU.apply(x_RH, w1, w3, w2, _blocks(counts), low)
 
     # state_dict keyed by global expert id ------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):

@@ -421,9 +421,9 @@ def test_weight_grad_sums_over_chunks(path):
             with _wgrad.deferring() as later:
                 y.backward(g.to(y.dtype))
             later.run(sums)
-            # autocast casts the weights anew per chunk: at most one chunk's sums are held (earlier ones flushed)
+            # one entry: the chunks' gradients all go to the Parameters (autocast too: no per-chunk cast inputs)
             assert sums is None or len(sums.entries) == 1
-        if summed and not amp:
+        if summed:
             assert all(torch.equal(p.grad, s) for p, s in zip(ex.parameters(), start)), "flush() adds them"
         if summed:
             sums.flush()
@@ -433,6 +433,154 @@ def test_weight_grad_sums_over_chunks(path):
         for a, b in zip(grads(True, amp), grads(False, amp)):
             assert not torch.equal(a, ex.w1.new_zeros(a.shape))
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------- autocast: what backward keeps
+_AMP_PATHS = {  # path -> (H, F, forward kwargs of chunk (counts, segments)); bf16 GEMMs
+    "loop": (8, 16, lambda counts, segs: dict(counts=counts)),
+    "segments": (8, 16, lambda counts, segs: dict(segments=segs)),
+    "grouped_padded": (8, 16, lambda counts, segs: dict(padded=True)),
+    "bmm_padded": (12, 10, lambda counts, segs: dict(padded=True)),  # F = 10 bf16: 20-byte rows, no _grouped_mm
+}
+_AMP_CHUNKS = [[5, 0, 3], [0, 4, 2], [1, 1, 6], [3, 2, 0]]  # rows per local expert, per chunk (C = 4)
+
+
+def _forward_saving_casts(ex, x_RH, tokens_per_expert_e, counts=None, padded=False, segments=None):
+    """GroupedExperts.forward under autocast as it was before issue 26.4: the weights cast with autograd, outside
+    the expert Function, which saved the cast copies (one per call) for backward."""
+    amp = torch.get_autocast_dtype("cpu")
+    if segments is not None:
+        segments = experts_mod._check_segments(segments, x_RH.shape[0], ex.num_local_experts)
+    with torch.autocast("cpu", enabled=False):
+        return GroupedExperts._compute(x_RH.to(amp), *(w.to(amp) for w in (ex.w1, ex.w3, ex.w2)),
+                                       tokens_per_expert_e, counts, padded, segments)
+
+
+def _amp_chunks(path):
+    """(experts, [(x, g, counts, segments)] per chunk) for ``_AMP_PATHS[path]``; padded paths get 2 NaN rows."""
+    H, F_, _ = _AMP_PATHS[path]
+    ex = GroupedExperts(3, H, F_, seed=1)
+    gen = torch.Generator().manual_seed(0)
+    chunks = []
+    for counts in _AMP_CHUNKS:
+        n = sum(counts)
+        x, g = torch.randn(n, H, generator=gen), torch.randn(n, H, generator=gen)
+        if path.endswith("padded"):
+            x = torch.cat([x, torch.full((2, H), float("nan"))])
+            g = torch.cat([g, torch.full((2, H), float("nan"))])
+        segs = [(i, sum(counts[:i]), c) for i, c in enumerate(counts)][::-1]  # experts in reverse row order...
+        start, segments = 0, []
+        for i, _, c in segs:  # ...so the rows are not expert-major
+            segments.append((i, start, c))
+            start += c
+        chunks.append((x, g, counts, segments))
+    return ex, chunks
+
+
+def _amp_step(ex, chunks, path, forward, defer):
+    """One pipelined-like step under bf16 autocast: every chunk's forward, then every chunk's backward with the
+    weight gradients deferred and summed over the chunks as the pipeline does (``defer``), or plain backward.
+    Returns ([y], [x.grad], [w.grad]) and the bytes saved for backward (distinct storages, Parameters left out)."""
+    from moe_comm import _wgrad
+
+    ex.zero_grad(set_to_none=True)
+    params = {p.untyped_storage().data_ptr() for p in ex.parameters()}
+    saved = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    kw_of = _AMP_PATHS[path][2]
+    outs = []
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        for x, g, counts, segments in chunks:
+            xi = x.clone().requires_grad_(True)
+            outs.append((xi, forward(ex, xi, torch.tensor(counts), **kw_of(counts, segments)), g))
+    sums = _wgrad.GradSums()
+    for xi, y, g in outs:
+        if defer:
+            with _wgrad.deferring() as later:
+                y.backward(g.to(y.dtype))
+            later.run(sums)
+        else:
+            y.backward(g.to(y.dtype))
+    sums.flush()
+    ys = [y.detach() for _, y, _ in outs]
+    return ys, [xi.grad for xi, _, _ in outs], [p.grad for p in ex.parameters()], sum(saved.values())
+
+
+@pytest.mark.parametrize("path", list(_AMP_PATHS))
+def test_autocast_keeps_no_weight_copy_and_the_same_gradients(path):
+    """Issue 26.4. Under bf16 autocast, 4 calls (the chunks of one pipelined forward) kept 4 bf16 copies of
+    w1, w3, w2 for backward; now none (the fp32 Parameters are kept; backward casts them again). Outputs,
+    input gradients and weight gradients are bit-identical to the path that saved the cast copies, with the
+    weight gradients deferred and summed over the chunks (the pipeline's backward) or not."""
+    ex, chunks = _amp_chunks(path)
+    H, F_, _ = _AMP_PATHS[path]
+    e, C = ex.num_local_experts, len(chunks)
+    copy = 3 * e * F_ * H * 2  # w1, w3 [e, F, H] and w2 [e, H, F] in bf16
+    for defer in (True, False):
+        y0, gx0, gw0, saved0 = _amp_step(ex, chunks, path, _forward_saving_casts, defer)
+        y1, gx1, gw1, saved1 = _amp_step(ex, chunks, path, GroupedExperts.forward, defer)
+        assert saved0 - saved1 == C * copy, (saved0, saved1, C * copy)
+        for a, b in zip(y0 + gx0 + gw0, y1 + gx1 + gw1):
+            assert a.dtype == b.dtype and torch.equal(a.nan_to_num(), b.nan_to_num())
+        assert all(g.dtype == torch.float32 for g in gw1)
+    # what is left: the chunks' bf16 GEMM inputs and activations only (no [e, ...] tensor at all)
+    rows = sum(x.shape[0] for x, *_ in chunks)
+    if path == "bmm_padded":  # the slab fallback keeps x [e, R, H], h1 and h3 [e, R, F] per chunk (by design)
+        assert saved1 >= e * rows * (H + 2 * F_) * 2
+    else:
+        assert saved1 <= rows * (H + 2 * F_) * 2 + 64 * C, saved1  # + offs / pad mask of the grouped path
+
+
+@pytest.mark.parametrize("C", [1, 4])
+def test_autocast_layer_gradients_equal_the_saved_cast_path(C, monkeypatch):
+    """A whole MoELayer (W = 1, bf16 autocast, C chunks through the pipeline, weight gradients deferred and summed
+    over the chunks): output and every gradient bit-identical to GroupedExperts saving its cast copies (before
+    issue 26.4), from .grad = None. A second backward accumulating onto .grad agrees to rounding: the chunks'
+    fp32 gradients are now summed before they are added to .grad (as without autocast), not added one by one."""
+    import moe_comm
+
+    cfg = moe_comm.MoEConfig(hidden_size=16, ffn_hidden_size=32, num_experts=4, top_k=2, num_chunks=C)
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(3))
+    g = torch.randn(64, 16, generator=torch.Generator().manual_seed(4))
+
+    def grads(forward):
+        with monkeypatch.context() as m:
+            m.setattr(GroupedExperts, "forward", forward)
+            layer = moe_comm.MoELayer(cfg, seed=5)
+            out = []
+            for _ in range(2):  # the second step accumulates onto .grad
+                xi = x.clone().requires_grad_(True)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    y = layer(xi)
+                y.backward(g.to(y.dtype))
+                out.append([y.detach(), xi.grad] + [p.grad.clone() for p in layer.parameters() if p.grad is not None])
+        return out
+
+    (old1, old2), (new1, new2) = grads(_forward_saving_casts), grads(GroupedExperts.forward)
+    assert len(old1) == len(new1) == 6  # y, x, router, w1, w3, w2
+    for a, b in zip(old1, new1):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    for a, b in zip(old2, new2):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_autocast_backward_sees_an_in_place_weight_update():
+    """The Parameters themselves are saved under autocast now: changing one between forward and backward is
+    autograd's version error (the cast copies used to hide it, and backward used the old weights)."""
+    ex = GroupedExperts(2, 8, 16, seed=1)
+    x = torch.randn(6, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = ex(x, torch.tensor([4, 2]), counts=[4, 2])
+    with torch.no_grad():
+        ex.w1.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.float().sum().backward()
 
 
 # ---------------------------------------------------------------------------------- rows in (rank, expert) blocks
