@@ -118,15 +118,24 @@ def test_nccl_ranks_needs_two_ranks():
     assert proc.returncode == 2 and "--nccl-ranks: N >= 2" in proc.stderr, proc.stderr[-2000:]
 
 
-@pytest.mark.xfail(strict=True, reason="#26.1: the library gives the timeline the control channel's device (CPU) "
-                                       "until the first forward; remove this marker with the fix")
+TIMELINE_FIX = pytest.mark.xfail(strict=True, reason="#26.1: the library gives the timeline the control channel's "
+                                                    "device (CPU) until the first forward; remove with the fix")
+CFG = dict(hidden_size=16, ffn_hidden_size=24, num_experts=4, top_k=2)
+
+
+@TIMELINE_FIX
 def test_timeline_on_the_layer_device_from_construction():
     """Tier 1: gpu_check's timeline section checks the timeline's device before the first forward, on CUDA. The
     dry run's layer is on the CPU like its channel, so it cannot tell; a layer built on meta (a device other
-    than the channel's, as CUDA is) can, and so can one moved there after construction."""
-    cfg = moe_comm.MoEConfig(hidden_size=16, ffn_hidden_size=24, num_experts=4, top_k=2)
-    built = moe_comm.MoELayer(cfg, seed=1, device="meta", allow_single_process=True)
-    moved = moe_comm.MoELayer(cfg, seed=1, allow_single_process=True).to("meta")
-    for layer in (built, moved):
-        assert layer.router.weight.device.type == "meta"
-        assert layer.timeline.device.type == "meta", f"timeline on {layer.timeline.device}"
+    than the channel's, as CUDA is) can."""
+    layer = moe_comm.MoELayer(moe_comm.MoEConfig(**CFG), seed=1, device="meta", allow_single_process=True)
+    assert layer.router.weight.device.type == "meta"
+    assert layer.timeline.device.type == "meta", f"timeline on {layer.timeline.device}"
+
+
+@TIMELINE_FIX
+def test_timeline_follows_a_moved_layer():
+    """Tier 1: a layer built on the CPU and moved (``.to(device)``) takes its timeline along."""
+    layer = moe_comm.MoELayer(moe_comm.MoEConfig(**CFG), seed=1, allow_single_process=True).to("meta")
+    assert layer.router.weight.device.type == "meta"
+    assert layer.timeline.device.type == "meta", f"timeline on {layer.timeline.device}"
