@@ -9,14 +9,13 @@ the same error on every rank when anything disagrees or failed. See ``moe_comm.c
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from moe_comm.comm.agree import RemoteError, disagreement
+from moe_comm.comm.agree import RemoteError, agreements, disagreement
 from moe_comm.comm.collectives import (REBUILD, CollectiveError, check_usable, group_device, group_rank, group_size,
                                        issuing, poison, record_arrival, wait_work)
 from moe_comm.comm.wire import (HEADER_WORDS, MAGIC, MESSAGE_WORDS, PHASE_TEXT, Failure, Phase, ProtocolError, Word,
@@ -26,13 +25,12 @@ __all__ = ["Channel", "Pending", "PeerFailed", "next_index", "MAX_DEFERRED", "re
 
 MAX_DEFERRED = 64  # unread exchanges a Channel keeps; older ones are checked on the device (Channel.defer)
 
-_indices: Dict[str, itertools.count] = {}
-
-
 def next_index(group: Optional[dist.ProcessGroup]) -> int:
-    """Construction index of a Dispatcher on ``group`` (agreed across ranks when it is built)."""
-    key = getattr(group, "group_name", None) or str(id(group))
-    return next(_indices.setdefault(key, itertools.count()))
+    """Construction index of a Dispatcher on ``group``: the number of the agreement its construction makes
+    next (``agreements``: counted alike on every rank, failed agreements included, so a construction that
+    raised leaves no rank behind; a group rebuilt after ``destroy_process_group`` starts again at 0, in a
+    surviving process as in a replacement one). Unique per Dispatcher on the group."""
+    return agreements(group)
 
 
 class PeerFailed(RuntimeError):
@@ -74,7 +72,17 @@ class Channel:
         self.call = 0  # advanced by the Dispatcher once per call, identically on every rank
         self.timeline = None  # the owner's Timeline: exchanges are comm spans "counts" / "control"
         self.deferred: List[Pending] = []  # exchanges read with the next one (end_check="deferred", sync-free mode)
-        self.folded = None  # (device int64 flag, first call, last call) of exchanges checked on the device
+        # exchanges checked on the device: (int64 [W] flag per rank, int64 first failed call (-1: none),
+        # first call, last call)
+        self.folded = None
+        # A failure on this rank after a phase's closing exchange (the final unpermute, a placeholder-rows
+        # path): raised here alone, and carried by this rank's next exchange so that every rank raises there.
+        self.late: Optional[str] = None
+
+    def carry(self, error: BaseException, where: str) -> None:
+        """Send ``error`` (raised on this rank alone in ``where``) with this rank's next exchange."""
+        if self.world > 1 and self.late is None:
+            self.late = f"{type(error).__name__} in {where}: {error}"
 
     def begin(self, phase: Phase, hdr: List[int], *, dynamic: Optional[torch.Tensor] = None,
               slots_WS: Optional[torch.Tensor] = None, local_error: Optional[BaseException] = None,
@@ -84,13 +92,20 @@ class Channel:
         counts; local_error / failed: this rank's failure, sent to every peer with its message."""
         check_usable(self.group, self.rank)
         W, dev = self.world, self.device
+        if local_error is None and self.late is not None:
+            local_error = PeerFailed(f"moe_comm: EP rank {self.rank}: {self.late} (raised on this rank alone then; "
+                                     "every rank raises at this next exchange)")
+            failed, self.late = Failure.RAISED, None
         if W == 1 and dynamic is not None:
             dev = dynamic.device  # one process: no collective; stay on the rows' device (no copy to the host)
         hdr = list(hdr)
         hdr[Word.FAILED] = int(failed)
         message = None if local_error is None else f"{type(local_error).__name__}: {local_error}"
         hdr_X = torch.tensor(hdr, dtype=torch.int64, device="cpu")  # host ints, whatever the default device
-        row = torch.cat([hdr_X, encode_message(message)]).to(dev, non_blocking=True)
+        row = torch.cat([hdr_X, encode_message(message)])
+        if dev.type == "cuda":  # from pinned memory the copy is asynchronous; from pageable memory it may block
+            row = row.pin_memory()
+        row = row.to(dev, non_blocking=True)
         send_WX = torch.zeros(W, self.width, dtype=torch.int64, device=dev)
         send_WX[:, :HEADER_WORDS + MESSAGE_WORDS] = row
         if dynamic is not None:
@@ -128,18 +143,25 @@ class Channel:
         folded, self.folded = self.folded, None
         flat = [t.reshape(-1) for p in todo for t in (p.send_WX, p.recv_WX)]
         if folded is not None:
-            flat.append(folded[0].reshape(1))
+            flat += [folded[0], folded[1].reshape(1)]
         return pending, earlier, flat, folded
 
     def _verify(self, taken, values: List[int]) -> Tuple[List[List[int]], List[List[int]]]:
         pending, earlier, _, folded = taken
         todo = earlier + ([] if pending is None else [pending])
-        if folded is not None and values.pop():
-            first, last = folded[1], folded[2]
-            raise PeerFailed(f"moe_comm: EP rank {self.rank}: an EP rank failed or disagreed in an exchange of calls "
-                             f"{first}..{last} (dispatcher {self.index}), older than the last {MAX_DEFERRED} unread "
-                             "exchanges (sync-free mode: read them sooner with check()); the failing rank raised its "
-                             "own error then")
+        if folded is not None:
+            bad_call = values.pop()
+            bad_W = values[len(values) - self.world:]
+            del values[len(values) - self.world:]
+            if bad_call >= 0:
+                first, last = folded[2], folded[3]
+                ranks = [r for r, b in enumerate(bad_W) if b]
+                raise PeerFailed(
+                    f"moe_comm: EP rank {self.rank}: EP rank(s) {ranks} failed, or disagreed with this rank, in call "
+                    f"{bad_call} (dispatcher {self.index}; the first such call among calls {first}..{last}, which were "
+                    f"checked on the device because more than {MAX_DEFERRED} exchanges went unread: their messages are "
+                    "lost; read sooner with check()). Every rank raised; the calls since returned placeholder rows on "
+                    "every rank: discard their outputs")
         X, W = self.width, self.world
         both = [values[i * X:(i + 1) * X] for i in range(len(values) // X)]
         sent, rows = [], []
@@ -172,8 +194,14 @@ class Channel:
         if len(self.deferred) > MAX_DEFERRED:
             self._fold(self.deferred.pop(0))
 
-    def _fold(self, p: Pending) -> None:
-        """Device-side check of one exchange: any failure, foreign row or disagreement sets the flag."""
+    def failed_flag(self, p: Pending) -> torch.Tensor:
+        """0-dim bool on the device: any rank failed or disagreed in exchange ``p`` (waits for it: on NCCL a
+        stream wait, no host read). Its read stays deferred."""
+        return self._bad_W(p).any()
+
+    def _bad_W(self, p: Pending) -> torch.Tensor:
+        """[W] bool on the device: the ranks whose row in ``p`` shows a failure, a foreign row or a
+        disagreement."""
         self.wait(p)
         rows, own = p.recv_WX, p.send_WX[0]
         bad = (rows[:, Word.MAGIC] != MAGIC) | (rows[:, Word.CALL] != p.call) | (rows[:, Word.PHASE] != p.phase)
@@ -182,11 +210,19 @@ class Channel:
         bad |= (rows[:, Word.BAD_IDS] > 0) | (rows[:, Word.NONFINITE] > 0)
         for w in (Word.WORLD, Word.EXPERTS, Word.CHUNKS, Word.ROW_BYTES, Word.TOP_K, Word.DTYPE, Word.CONFIG):
             bad |= (rows[:, w] != own[w]) & (rows[:, w] >= 0) & (own[w] >= 0)
-        flag = bad.any().to(torch.int64)
+        return bad
+
+    def _fold(self, p: Pending) -> None:
+        """Device-side check of one exchange: the ranks that failed or disagreed, and the first call that had any."""
+        bad = self._bad_W(p)
+        bad_W = bad.to(torch.int64)
+        call = torch.where(bad.any(), p.call, -1)
         if self.folded is None:
-            self.folded = (flag, p.call, p.call)
-        else:
-            self.folded = (self.folded[0] | flag, self.folded[1], p.call)
+            self.folded = (bad_W, call, p.call, p.call)
+        else:  # the ranks of the first failed call; its number
+            first_W, first = self.folded[0], self.folded[1]
+            keep = first >= 0
+            self.folded = (torch.where(keep, first_W, bad_W), torch.where(keep, first, call), self.folded[2], p.call)
 
     def _check(self, pending: Pending, rows: List[List[int]], deferred: bool = False) -> None:
         rank = self.rank
@@ -200,11 +236,14 @@ class Channel:
         if len(at) > 1:
             # Every rank saw the same rows: all resynchronise on the furthest call, so the next call can work.
             self.call = max(row[Word.CALL] for row in rows) + 1
+            failed = [r for r, row in enumerate(rows) if row[Word.FAILED] != Failure.NONE]
+            msg = HEADER_WORDS, HEADER_WORDS + MESSAGE_WORDS
+            why = "".join(f" EP rank {r} reported: {decode_message(rows[r][msg[0]:msg[1]])}." for r in failed)
             raise ProtocolError(
                 f"moe_comm: EP rank {rank}: the EP ranks are not in the same call: "
                 + "; ".join(f"ranks {rs} in {pos}" for pos, rs in at.items())
-                + ". Every rank must run the same layers in the same order, forward and backward (a rank that "
-                "skipped a backward or a layer causes this). Every rank raised; the next call works.")
+                + f".{why} Every rank must run the same layers in the same order, forward and backward (a rank that "
+                "skipped a backward or a layer, or raised alone, causes this). Every rank raised; the next call works.")
         text = disagreement("the training step (moe_comm.set_step)", [row[Word.STEP] for row in rows], step_text)
         if text:
             raise ProtocolError(
@@ -215,6 +254,9 @@ class Channel:
         failed = [r for r, row in enumerate(rows) if row[Word.FAILED] != Failure.NONE]
         if failed:
             self._raise_failure(pending, rows, failed, deferred)
+        outcome = ("every rank raised at this later read; that call ran with placeholder rows on every rank: "
+                   "discard what it returned (and the gradients of its step)" if deferred else
+                   "every rank raised, no rows were sent")
         for word, what, fmt in ((Word.WORLD, "EP world size", str), (Word.EXPERTS, "num_experts", str),
                                 (Word.CHUNKS, "num_chunks of this call (x the pieces its rows stream in)", str),
                                 (Word.ROW_BYTES, "row bytes (H x element size)", str),
@@ -223,16 +265,14 @@ class Channel:
             known = [(r, row[word]) for r, row in enumerate(rows) if row[word] >= 0 or word == Word.CONFIG]
             text = disagreement(what, [v for _, v in known], fmt)
             if text:
-                raise ValueError(f"moe_comm: {text.replace(' differs across the EP group:', ':')}; every rank "
-                                 "raised, no rows were sent")
+                raise ValueError(f"moe_comm: {text.replace(' differs across the EP group:', ':')}; {outcome}")
         E = rows[0][Word.EXPERTS]
         for word, text in ((Word.BAD_IDS, f"topk_idx_TK holds expert ids outside [-1, {E})"),
                            (Word.NONFINITE, "x_TH holds non-finite (NaN/Inf) rows (strict=True)")):
             bad = [r for r, row in enumerate(rows) if row[word] > 0]
             if bad:
                 raise ValueError(f"moe_comm: {text} on EP rank(s) {bad} "
-                                 f"({', '.join(str(rows[r][word]) for r in bad)}); "
-                                 f"every rank raised, no rows were sent")
+                                 f"({', '.join(str(rows[r][word]) for r in bad)}); {outcome}")
 
     def _raise_failure(self, pending: Pending, rows: List[List[int]], failed: List[int], deferred: bool) -> None:
         lines = []

@@ -11,17 +11,19 @@ routing weights. ``dispatch``/``combine`` are the same steps with C = 1 and user
 """
 from __future__ import annotations
 
+import contextlib
 import zlib
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from einops import rearrange
 
 from moe_comm import ops
 from moe_comm._checks import check_bool, check_choice, check_float, check_int, check_tensor
 from moe_comm.comm.agree import agree
-from moe_comm.comm.channel import Channel, next_index
+from moe_comm.comm.channel import Channel, as_collective_error, next_index
 from moe_comm.comm.collectives import group_device, group_rank, group_size, resolve_group
 from moe_comm.comm.wire import HEADER_WORDS, MESSAGE_WORDS, Failure, Phase, Word, dtype_code, header
 from moe_comm.dispatch.autotune import AutoChunker, PipelinePlan, chunk_overhead, now
@@ -44,6 +46,7 @@ MAX_CHUNKS = 16  # default bound on C per call: sizes the control exchange (S = 
 DIRECT_MIN_BYTES_CPU = 1 << 20  # gloo, 4 ranks on 2 cores: point-to-point slower at 256 KiB, faster at 4 MiB
 NEVER = 1 << 62
 DISPATCH_DTYPES = (torch.float8_e4m3fn,)
+_STOP_RECOMPUTE = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
 
 
 class Dispatcher:
@@ -292,6 +295,17 @@ class Dispatcher:
         choice of this rank alone: it changes only where its received rows sit)."""
         with self.workspace.dropped_on_error():  # a failed exchange may leave transfers of this rank in flight
             sent, rows = self.channel.end(pending)
+        try:
+            return self._plan(pending, sent, rows, layout, C, hidden, pieces, expert_fn), None
+        except Exception as err:  # noqa: BLE001 - the transfers still go out: plans without the regroup pass
+            if self.sync_free:
+                raise
+            return self._plan(pending, sent, rows, layout, C, hidden, pieces, None, regroup=False), err
+
+    def _plan(self, pending, sent, rows, layout, C: int, hidden: int, pieces: int, expert_fn,
+              regroup: bool = True) -> DispatchHandle:
+        """The chunk plans and transport of a call from its control exchange (host ints). ``regroup`` False: no
+        regroup index (the sizes alone, for a rank that failed after the exchange)."""
         W, e = self.world_size, self.num_local_experts
         base = HEADER_WORDS + MESSAGE_WORDS
         C *= pieces
@@ -316,7 +330,7 @@ class Dispatcher:
         else:
             send_WCe, recv_WCe = [counts(r) for r in sent], [counts(r) for r in rows]
             kind = choose(W, e, C, [r[Word.ROWS] for r in rows], row_bytes, self.direct_min_bytes)
-            regroup = kind.regroups and e > 1
+            regroup = regroup and kind.regroups and e > 1
             if regroup and expert_fn is not None:
                 block_rows = sum(sum(sum(x) for x in per_c) for per_c in recv_WCe) / (W * e * C)
                 rank_major = rank_major_pays(expert_fn, block_rows, layout.dest_row_TK.device)  # the rows' device
@@ -340,6 +354,13 @@ class Dispatcher:
         self.last_bytes = dict(dispatch_logical=logical, dispatch_wire=N * (row_wire + meta_bytes),
                                combine_logical=logical, combine_wire=N * H * es)
 
+    def _row_width(self, x_TH: torch.Tensor) -> int:
+        """Elements of one sent row: H, or the FP8 packed width in bytes."""
+        return x_TH.shape[1] if self.dispatch_dtype is None else self._wire_width(x_TH.shape[1])
+
+    def _wire_dtype(self, x_TH: torch.Tensor) -> torch.dtype:
+        return x_TH.dtype if self.dispatch_dtype is None else torch.uint8
+
     def _wire_width(self, hidden: int) -> int:
         """Bytes of one FP8 packed row (payload and scales)."""
         return ops.packed_width(hidden, ue8m0=self.dispatch_scales == "ue8m0")
@@ -358,7 +379,7 @@ class Dispatcher:
         """A control exchange without counts (end of a phase, combine, a backward): raises on every rank
         when any rank failed or is elsewhere; ``deferrable`` end-of-phase exchanges are only issued when
         ``end_check="deferred"`` (read with the next one); in sync-free mode every one is. One process:
-        only this rank's own error."""
+        only this rank's own error. Returns the exchange when its read is deferred, else None."""
         if self.world_size == 1:
             if error is not None:
                 raise error
@@ -369,8 +390,21 @@ class Dispatcher:
             pending = self.channel.begin(phase, hdr, local_error=error, failed=failed)
             if self.sync_free or (deferrable and self.end_check == "deferred"):
                 self.channel.defer(pending)
-            else:
-                self.channel.end(pending)
+                return pending
+            self.channel.end(pending)
+
+    @contextlib.contextmanager
+    def alone(self, where: str):
+        """Work after a phase's last exchange: an error here is raised on this rank alone (its peers already
+        returned) and carried by this rank's next exchange, where every rank raises naming it."""
+        try:
+            yield
+        except _STOP_RECOMPUTE:  # non-reentrant checkpointing ends its recompute here on every rank: no failure
+            raise
+        except Exception as err:  # noqa: BLE001
+            if not as_collective_error(err):
+                self.channel.carry(err, where)
+            raise
 
     @_graph_break
     def check(self) -> None:
@@ -394,15 +428,26 @@ class Dispatcher:
         """
         self._no_sync_free("dispatch()")
         pending, layout = self._open(Phase.DISPATCH, x_TH, topk_idx_TK, 1)
-        send_SH = None
+        send_SH, failed = None, None
         if layout is not None and (self.world_size > 1 or self.dispatch_dtype is not None):
-            with self.timeline.compute("permute"):  # while the control exchange travels
-                send_SH, _ = send_rows.presend(self, x_TH, layout, fresh=False)
+            try:
+                with self.timeline.compute("permute"):  # while the control exchange travels
+                    send_SH, _ = send_rows.presend(self, x_TH, layout, fresh=False)
+            except Exception as err:  # noqa: BLE001 - W > 1: placeholder rows below, raised at combine()
+                failed = err
         if layout is None:
             self.channel.end(pending)  # raises on every rank
-        handle = self._close(pending, layout, 1, x_TH.shape[1])
+        handle, err = self._close(pending, layout, 1, x_TH.shape[1])
+        failed = failed or err
+        if failed is not None and self.world_size == 1:
+            raise failed
         self._record_bytes(handle, x_TH)
         plan = handle.chunks[0]
+        if failed is not None:  # the peers wait in the transfer: placeholder rows go, every rank raises at combine()
+            self.channel.carry(failed, f"the dispatch() of call {handle.call}")
+            send_SH = handle.transport.local(
+                lambda: x_TH.new_empty(plan.num_rows, self._row_width(x_TH), dtype=self._wire_dtype(x_TH)),
+                "placeholder rows")[0]
         if send_SH is None:  # one process: the permuted rows are the result
             tokens_RH = ops.permute(x_TH, handle.layout, backend=self.backend)
         else:
@@ -450,13 +495,14 @@ class Dispatcher:
                               row_bytes=handle.hidden_size * expert_out_RH.element_size() if ok else -1,
                               dtype=dtype_code(expert_out_RH.dtype) if ok else -1)
         handle.combined = True
-        y_NH = expert_out_RH
-        if self.world_size > 1:
-            # y_NH is saved for backward only when the weights need grad: then fresh memory, else a workspace.
-            keep = torch.is_grad_enabled() and topk_weight_TK.requires_grad
-            y_NH = CombineRows.apply(expert_out_RH, self, handle, keep)
-        with self.timeline.compute("unpermute"):
-            return ops.unpermute(y_NH, handle.layout, topk_weight_TK, backend=self.backend)
+        with self.alone(f"the combine() of call {handle.call}"):
+            y_NH = expert_out_RH
+            if self.world_size > 1:
+                # y_NH is saved for backward only when the weights need grad: then fresh memory, else a workspace.
+                keep = torch.is_grad_enabled() and topk_weight_TK.requires_grad
+                y_NH = CombineRows.apply(expert_out_RH, self, handle, keep)
+            with self.timeline.compute("unpermute"):
+                return ops.unpermute(y_NH, handle.layout, topk_weight_TK, backend=self.backend)
 
     @_graph_break
     def __call__(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor,
@@ -508,10 +554,21 @@ class Dispatcher:
                                      rank_rows=rank_rows, pieces=pieces)
         if layout is None:
             self.channel.end(pending)  # raises on every rank
-        with self.timeline.compute("permute"):  # while the control exchange travels
-            send_NB, fill = send_rows.presend(self, x_TH, layout, pieces=pieces,
-                                              fresh=self.world_size == 1 and self.dispatch_dtype is None)
-        handle = self._close(pending, layout, C, x_TH.shape[1], pieces, expert_fn=expert_fn)
+        # From here until the end-of-forward exchange no exception leaves this rank: its peers would wait in the
+        # transfers. A local failure keeps the schedule with placeholder rows and travels in that exchange.
+        failed = None
+        try:
+            with self.timeline.compute("permute"):  # while the control exchange travels
+                send_NB, fill = send_rows.presend(self, x_TH, layout, pieces=pieces,
+                                                  fresh=self.world_size == 1 and self.dispatch_dtype is None)
+        except Exception as err:  # noqa: BLE001 - placeholder rows below, once N is read
+            failed, send_NB, fill = err, None, None
+        handle, err = self._close(pending, layout, C, x_TH.shape[1], pieces, expert_fn=expert_fn)
+        failed = failed or err
+        if send_NB is None:  # the permute failed: placeholder rows of the agreed size
+            send_NB, err = handle.transport.local(
+                lambda: x_TH.new_empty(handle.layout.num_rows, self._row_width(x_TH), dtype=self._wire_dtype(x_TH)),
+                "placeholder rows")
         wire_NB = send_NB.narrow(0, 0, handle.layout.num_rows)
         # one copy per rank: the slot weights travel with the rows (the experts' ranks apply them), in float32
         # (float64 stays float64); else y_NH is saved for backward when the weights need grad at the unpermute
@@ -521,11 +578,12 @@ class Dispatcher:
         self._record_bytes(handle, x_TH, 0 if meta_w_TK is None else 2 * meta_w_TK.shape[1] * meta_w_TK.element_size())
         keep = torch.is_grad_enabled() and topk_weight_TK.requires_grad and meta_w_TK is None
         y_NH, side_out, expert_s = run_pipeline(self, handle, x_TH, expert_fn, side_fn, measure=measure,
-                                                keep_output=keep, meta_w_TK=meta_w_TK, wire_NB=wire_NB, fill=fill)
+                                                keep_output=keep, meta_w_TK=meta_w_TK, wire_NB=wire_NB, fill=fill,
+                                                failed=failed)
         if measure:
             nbytes = handle.layout.num_rows * x_TH.shape[1] * x_TH.element_size()
             self.auto.make_plan(expert_s, nbytes, chunk_overhead(expert_fn, x_TH, self.num_local_experts))
-        with self.timeline.compute("unpermute"):
+        with self.alone(f"the unpermute of call {handle.call}"), self.timeline.compute("unpermute"):
             y_TH = ops.unpermute(y_NH, handle.layout, None if meta_w_TK is not None else topk_weight_TK,
                                  backend=self.backend)
         if trial:

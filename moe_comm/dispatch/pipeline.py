@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from moe_comm import _wgrad, ops
 from moe_comm.comm.channel import as_collective_error
@@ -61,7 +62,7 @@ class _Run:
     measure: bool = False  # time the experts (num_chunks="auto" planning; syncs CUDA once)
     expert_s: float = 0.0
     side_out: Optional[torch.Tensor] = None
-    expert_io: List = field(default_factory=list)  # per chunk: (tokens_in_RH leaf, out_RH) or None
+    expert_io: List = field(default_factory=list)  # per chunk: (tokens_in_RH leaf, w_in, out grad edge, dtype)
     backward_done: bool = False
     failed: Optional[BaseException] = None  # this rank's input was rejected, or its forward failed with reads
     # deferred: its phases move placeholder rows, and the error is raised at the next read
@@ -69,6 +70,7 @@ class _Run:
     meta_dtype: Optional[torch.dtype] = None  # its dtype (the weights' gradient comes back in it)
     wire: Optional[torch.Tensor] = None  # the permuted rows [N, B] sent instead of x (x is then x_TH); FP8: packed
     fill: Optional[Callable] = None  # fill(piece plan): permutes a piece's rows of ``wire`` just before it goes
+    closing: Optional[object] = None  # the last phase's end exchange when its read is deferred (a channel Pending)
 
 
 class _Failure:
@@ -77,6 +79,11 @@ class _Failure:
     def __init__(self):
         self.error: Optional[BaseException] = None
         self.chunk = -1
+
+    def note(self, chunk: int, err: Optional[BaseException]) -> None:
+        """Record ``err`` (None: nothing) unless an earlier failure is recorded."""
+        if err is not None and self.error is None:
+            self.error, self.chunk = err, chunk
 
     def catch(self, chunk: int, fn, *args):
         """fn(*args), or None after recording its exception; transport failures propagate (the group
@@ -91,13 +98,13 @@ class _Failure:
             self.error, self.chunk = err, chunk
             return None
 
-    def close(self, d, phase: Phase, handle) -> None:
+    def close(self, d, phase: Phase, handle):
         """The end-of-phase control exchange: raises on every rank if any rank failed (at the next read when
-        reads are deferred)."""
+        reads are deferred: then returns that exchange)."""
         failed = Failure.NONE if self.error is None else Failure.RAISED
-        d._exchange_status(phase, handle, self.error, failed, chunk=self.chunk, deferrable=True)
-        if self.error is None or d.sync_free or d.end_check == "deferred":
-            return  # deferred: placeholder rows like its peers, so all stay in step; all raise at the next read
+        pending = d._exchange_status(phase, handle, self.error, failed, chunk=self.chunk, deferrable=True)
+        if self.error is None or pending is not None:
+            return pending  # deferred: placeholder rows like its peers, so all stay in step; all raise at the next read
         raise self.error
 
 
@@ -120,7 +127,7 @@ class _PipelinedExperts(torch.autograd.Function):
         # x: the permuted rows x_NH, or x_TH when run.wire (rows permuted without autograd) is what travels.
         # meta_w_TK: one copy per rank, the slot weights; their [N, 2K] metadata is built once chunk 0's rows
         # are on their way (off the path to the first byte)
-        rows = x.contiguous() if run.wire is None else run.wire
+        rows = _made(run, x.contiguous, "contiguous rows") if run.wire is None else run.wire
         src = (rows,)
         if meta_w_TK is not None:
             src += (lambda: _slot_meta(run.handle.rank_rows, meta_w_TK.detach(), rows.shape[0]),)
@@ -145,17 +152,19 @@ class _PipelinedExperts(torch.autograd.Function):
         # moves placeholder rows like its peers, and every rank raises at its next read.
         d._exchange_status(Phase.BACKWARD, run.handle, error, Failure.NONE if error is None else Failure.REJECTED)
         run.backward_done = True
+        run.failed = run.failed or error
         with d.workspace.dropped_on_error():
-            grad_x, grad_w_NK = _backward(run, grad_y_NH.contiguous(), failed=error or run.failed)
-        if run.wire is not None and run.handle.layout is None:  # FP8 on a rank whose input was rejected
-            grad_x = None
-        elif run.wire is not None:  # back to the tokens (permute's backward); FP8: straight through the quantization
-            grad_x = select_backend(d.backend, grad_x.device).unpermute_rows(grad_x, run.handle.layout.dest_row_TK)
-        grad_w_TK = None
-        if run.meta and ctx.needs_input_grad[1]:  # slot (t, k) sits at row * K + k of grad_w_NK; dropped: 0
-            pos_TK = run.handle.rank_rows.slot_pos_TK
-            flat = torch.cat([grad_w_NK.reshape(-1), grad_w_NK.new_zeros(1)])
-            grad_w_TK = flat[pos_TK.clamp(max=grad_w_NK.numel())]
+            grad_x, grad_w_NK = _backward(run, _made(run, grad_y_NH.contiguous, "contiguous gradient"))
+        with d.alone(f"the backward of call {run.handle.call}, after its last exchange"):
+            if run.wire is not None and run.handle.layout is None:  # FP8 on a rank whose input was rejected
+                grad_x = None
+            elif run.wire is not None:  # to the tokens (permute's backward); FP8: straight through the quantization
+                grad_x = select_backend(d.backend, grad_x.device).unpermute_rows(grad_x, run.handle.layout.dest_row_TK)
+            grad_w_TK = None
+            if run.meta and ctx.needs_input_grad[1]:  # slot (t, k) sits at row * K + k of grad_w_NK; dropped: 0
+                pos_TK = run.handle.rank_rows.slot_pos_TK
+                flat = torch.cat([grad_w_NK.reshape(-1), grad_w_NK.new_zeros(1)])
+                grad_w_TK = flat[pos_TK.clamp(max=grad_w_NK.numel())]
         return grad_x, grad_w_TK, None, None
 
 
@@ -181,21 +190,34 @@ def _schedule(run: _Run, src: Tuple[torch.Tensor, ...], out: Tuple[torch.Tensor,
     from the start)."""
     d, handle = run.dispatcher, run.handle
     transport, chunks = handle.transport, handle.chunks
+    K = handle.layout.top_k if run.meta else 0
     failure = _Failure()
     failure.error = failed
     to_experts, back, src = [None] * len(chunks), [], list(src)
 
+    def buffer(c: int, make) -> torch.Tensor:
+        rows, err = transport.local(make, "rows")
+        failure.note(c, err)
+        return rows
+
     def issue(c: int) -> None:
+        # Local work that fails here (a piece's permute, the metadata, a buffer) leaves the rows as they are:
+        # the transfers still go out with the agreed sizes and the failure travels in the end-of-phase exchange.
         p = chunks[c]
         flights, recv = [], []
         for q in p.parts:
             if fill is not None:
-                fill(q)
+                failure.catch(c, fill, q)
             for i, t in enumerate(src):
-                if callable(t):
-                    t = src[i] = t()
+                if callable(t):  # the [N, 2K] slot metadata of one copy per rank: real even after a failure
+                    try:  # (the experts' ranks expand rows by it, to the slot counts the exchange announced)
+                        t = t()
+                    except Exception as err:  # noqa: BLE001
+                        failure.note(c, err)
+                        t = src[0].new_zeros(src[0].shape[0], 2 * K, dtype=run.meta_dtype)
+                    src[i] = t
                 if len(p.parts) > 1 and len(recv) == i:  # the chunk's rows, all pieces
-                    recv.append(t.new_empty(p.num_recv, t.shape[1]))
+                    recv.append(buffer(c, lambda: t.new_empty(p.num_recv, t.shape[1])))
                 into = recv[i].narrow(0, q.recv_offset, q.num_recv) if recv else None
                 flights.append((i, transport.to_experts(t.narrow(0, q.row_offset, q.num_rows), q,
                                                         phase=phases[0], direction=direction, out=into)))
@@ -216,7 +238,7 @@ def _schedule(run: _Run, src: Tuple[torch.Tensor, ...], out: Tuple[torch.Tensor,
         received = received_rows(c)
         results = failure.catch(c, compute, c, received)
         if results is None:  # this rank failed: placeholder rows of the agreed sizes keep the schedule
-            results = tuple(o.new_empty(p.num_recv, o.shape[1]) for o in out)
+            results = tuple(buffer(c, lambda: o.new_empty(p.num_recv, o.shape[1])) for o in out)
         back.append([(transport.to_tokens(r.narrow(0, q.recv_offset, q.num_recv), q,
                                           o.narrow(0, q.row_offset, q.num_rows), phase=phases[1],
                                           direction=direction), o)
@@ -226,10 +248,19 @@ def _schedule(run: _Run, src: Tuple[torch.Tensor, ...], out: Tuple[torch.Tensor,
     for c, flights in enumerate(back):
         for f, o in flights:
             _wait(f, failure, c, chunks[c].num_rows, o)
-    failure.close(d, end, handle)
+    run.closing = failure.close(d, end, handle)
     if failure.error is not None:  # deferred: the backward of this call moves placeholder rows too
         run.failed = failure.error
     return out
+
+
+def _made(run: _Run, make, what: str) -> torch.Tensor:
+    """make() after the phase's opening exchange, before its schedule: a failure is retried once and then
+    travels as this rank's failure of the phase (``run.failed``: placeholder rows, every rank raises)."""
+    value, err = run.handle.transport.local(make, what)
+    if err is not None and run.failed is None:
+        run.failed = err
+    return value
 
 
 def _forward(run: _Run, src: Tuple[torch.Tensor, ...], x: torch.Tensor) -> torch.Tensor:
@@ -238,7 +269,8 @@ def _forward(run: _Run, src: Tuple[torch.Tensor, ...], x: torch.Tensor) -> torch
     d, chunks, tl = run.dispatcher, run.handle.chunks, run.dispatcher.timeline
     N, H, dtype = src[0].shape[0], x.shape[1], x.dtype
     K = run.handle.layout.top_k if run.meta else 0
-    y_NH = x.new_empty(N, H) if run.keep_output or d.world_size == 1 else d.workspace.rows("combined", N, H, x)
+    y_NH = _made(run, lambda: x.new_empty(N, H) if run.keep_output or d.world_size == 1 else
+                 d.workspace.rows("combined", N, H, x), "output rows")
 
     def experts(c: int, received: Tuple[torch.Tensor, ...]) -> Tuple[torch.Tensor]:
         p = chunks[c]
@@ -264,8 +296,9 @@ def _forward(run: _Run, src: Tuple[torch.Tensor, ...], x: torch.Tensor) -> torch
                                             p.segments if p.rank_major else None)
             if run.measure:
                 run.expert_s += now(x.device) - t0
-            if run.grad_enabled:
-                run.expert_io[c] = (t_in, w_in, out_RH)
+            if run.grad_enabled:  # the output's gradient edge, not its rows: R x H freed once they went back
+                edge = get_gradient_edge(out_RH) if out_RH.requires_grad else None
+                run.expert_io[c] = (t_in, w_in, edge, out_RH.dtype)
             return (out_RH.detach().to(dtype),)  # rows travel in x's dtype (autocast may change out_RH's)
 
     def side() -> None:  # e.g. shared experts, while the first dispatch is in flight
@@ -277,7 +310,7 @@ def _forward(run: _Run, src: Tuple[torch.Tensor, ...], x: torch.Tensor) -> torch
                      before=side if run.side_fn is not None else None, failed=run.failed, fill=run.fill)[0]
 
 
-def _backward(run: _Run, grad_y_NH: torch.Tensor, failed: Optional[BaseException] = None):
+def _backward(run: _Run, grad_y_NH: torch.Tensor):
     """(grad of the sent rows [N, H], grad of the slot weights [N, K] or None with one copy per rank)."""
     # The gradient of combine goes the dispatch way (to the experts' ranks), the input gradient comes back.
     tl = run.dispatcher.timeline
@@ -288,11 +321,11 @@ def _backward(run: _Run, grad_y_NH: torch.Tensor, failed: Optional[BaseException
         # The input gradient first: it travels back while this chunk's weight gradients compute (_wgrad).
         g_RH = received[0]
         with tl.compute("experts", chunk=c, direction="bwd"):
-            t_in, w_in, out_RH = run.expert_io[c]
+            t_in, w_in, edge, out_dtype = run.expert_io[c]
             run.expert_io[c] = None  # free the chunk's activations once its backward ran
             with _wgrad.deferring() as weight_grads[c]:
-                if out_RH.requires_grad:
-                    torch.autograd.backward([out_RH], [g_RH.to(out_RH.dtype)])
+                if edge is not None:
+                    torch.autograd.backward([edge], [g_RH.to(out_dtype)])
             g_in = t_in.grad if t_in.grad is not None else torch.zeros_like(t_in)
             if w_in is None:
                 return (g_in.to(grad_y_NH.dtype),)
@@ -301,21 +334,26 @@ def _backward(run: _Run, grad_y_NH: torch.Tensor, failed: Optional[BaseException
     sums = _wgrad.GradSums()  # every chunk's weight gradients, into .grad once after the last chunk
 
     def experts_weight_grads(c: int) -> None:
-        last = c == len(run.handle.chunks) - 1
-        if c in weight_grads or last:
+        if c in weight_grads:
             with tl.compute("experts_wgrad", chunk=c, direction="bwd"):
-                if c in weight_grads:
-                    weight_grads.pop(c).run(sums)
-                if last:  # while the last input gradient travels
-                    sums.flush()
+                weight_grads.pop(c).run(sums)
 
     N = grad_y_NH.shape[0]
-    out = (torch.empty_like(grad_y_NH),)
+    out = (_made(run, lambda: torch.empty_like(grad_y_NH), "gradient rows"),)
     if run.meta:
-        out += (grad_y_NH.new_empty(N, K, dtype=run.meta_dtype),)
+        out += (_made(run, lambda: grad_y_NH.new_empty(N, K, dtype=run.meta_dtype), "weight gradient rows"),)
     out = _schedule(run, (grad_y_NH,), out, experts_backward, ("combine", "dispatch"), "bwd", Phase.BACKWARD_END,
-                    failed=failed, after=experts_weight_grads)
+                    failed=run.failed, after=experts_weight_grads)
     run.expert_io = []
+    # The weight gradients reach .grad only after the end-of-backward exchange: a failed backward (raised above
+    # on every rank) leaves no partial expert gradient on any rank. Deferred read: every gradient of this phase is
+    # NaN on every rank when any rank failed (a device-side check of that exchange, no host read).
+    poisoned = None if run.closing is None else run.dispatcher.channel.failed_flag(run.closing)
+    if poisoned is not None:
+        for grad in list(out) + [g for _, grads in sums.entries.values() for g in grads if g is not None]:
+            grad.masked_fill_(poisoned, float("nan"))
+    with tl.compute("experts_wgrad", chunk=len(run.handle.chunks) - 1, direction="bwd"):
+        sums.flush()
     return out[0], (out[1] if run.meta else None)
 
 

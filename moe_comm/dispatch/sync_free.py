@@ -54,18 +54,28 @@ def call_sync_free(d, x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn, loc
     plan = ChunkPlan(chunk=0, call=pending.call, send_We=[[P] + [0] * (e - 1)] * W,
                      recv_We=[[P] + [0] * (e - 1)] * W, row_offset=0, tokens_per_expert_e=counts_We.sum(0),
                      counts_e=None)
-    if W > 1 and layout is not None:
-        plan.expert_index_R, plan.source_index_R = padded_expert_major_index(counts_We, P)
+    # From here on no exception leaves this rank before the call's last exchange (W > 1): a failure moves zero
+    # rows like a rejected input and travels in the end-of-forward exchange (read at check()).
+    failed, lay, x_in = pending.local_error, None, None
+    try:
+        if W > 1 and layout is not None:
+            plan.expert_index_R, plan.source_index_R = padded_expert_major_index(counts_We, P)
+        lay = None if layout is None else ops.pad_layout(layout, P)
+        with d.timeline.compute("permute"):
+            if lay is not None:
+                x_in, wire_NB = _send_rows(d, x_TH, lay)
+    except Exception as err:  # noqa: BLE001
+        if W == 1:
+            raise
+        failed, x_in = failed or err, None
+        plan.expert_index_R = plan.source_index_R = None  # the rows stay as received: placeholders
     kind = Local if W == 1 else AllToAll  # equal splits: P rows to and from every rank
     d.last_transport = kind.name
-    lay = None if layout is None else ops.pad_layout(layout, P)
     handle = DispatchHandle(layout=lay, chunks=[plan], call=pending.call, hidden_size=H,
                             transport=d.transport(kind), owner=id(d), slots_sent=-1)
     keep = isinstance(topk_weight_TK, torch.Tensor) and torch.is_grad_enabled() and topk_weight_TK.requires_grad
     with d.timeline.compute("permute"):
-        if layout is not None:
-            x_in, wire_NB = _send_rows(d, x_TH, lay)
-        else:  # rejected on this rank: zero rows of the agreed size keep every peer's exchange
+        if x_in is None:  # rejected or failed on this rank: zero rows of the agreed size keep every peer's exchange
             x_in = torch.empty(0, H, dtype=dtype, device=d.channel.device)
             width = H if d.dispatch_dtype is None else d._wire_width(H)
             like = x_in if d.dispatch_dtype is None else x_in.new_empty(0, dtype=torch.uint8)
@@ -74,14 +84,14 @@ def call_sync_free(d, x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn, loc
                 x_in, wire_NB = wire_NB, None
     if lay is not None:
         d._record_bytes(handle, x_TH)
-    y_NH, side_out, _ = run_pipeline(d, handle, x_in, expert_fn, side_fn, keep_output=keep,
-                                     failed=pending.local_error, wire_NB=wire_NB)
-    if layout is None:  # rejected here: a zero attached to the call's graph; every rank raises at check()
+    y_NH, side_out, _ = run_pipeline(d, handle, x_in, expert_fn, side_fn, keep_output=keep, failed=failed,
+                                     wire_NB=wire_NB)
+    if lay is None:  # rejected or failed here: a zero attached to the call's graph; every rank raises at check()
         anchor = y_NH.narrow(0, 0, 0).sum()
         if expert_fn is None:  # from fail(): the caller shapes its own placeholder
             return anchor
         if not (isinstance(x_TH, torch.Tensor) and x_TH.dim() == 2 and x_TH.is_floating_point()):
-            raise pending.local_error  # no placeholder of x's shape to return: raised here alone
+            raise failed  # no placeholder of x's shape to return: raised here alone
         y_TH = x_TH.detach().new_zeros(x_TH.shape) + anchor.to(x_TH.dtype)
         return y_TH if side_fn is None else (y_TH, torch.zeros_like(y_TH))
     with d.timeline.compute("unpermute"):

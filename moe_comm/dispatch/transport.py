@@ -24,7 +24,9 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from moe_comm.comm.collectives import all_to_all_v_async, issue_segments, issuing, record_arrival, wait_work
+from moe_comm.comm.channel import as_collective_error
+from moe_comm.comm.collectives import (REBUILD, CollectiveError, all_to_all_v_async, issue_segments, issuing, poison,
+                                       record_arrival, wait_work)
 from moe_comm.dispatch.plan import ChunkPlan
 from moe_comm.kernels import select_backend
 
@@ -34,15 +36,17 @@ __all__ = ["Transport", "Local", "AllToAll", "PointToPoint", "InFlight", "choose
 class InFlight:
     """Rows on their way. ``wait()`` waits (raising CollectiveError naming the phase and chunk, and
     poisoning the group, on a failure or timeout), applies the receive-side regroup, returns the rows.
-    Holds a reference to every tensor the transfer reads or writes until it completed."""
+    Holds a reference to every tensor the transfer reads or writes until it completed. ``error``: the
+    send-side work failed on this rank (the transfer went out with placeholder rows of the agreed sizes);
+    ``wait()`` raises it once the transfer completed."""
 
     def __init__(self, transport: "Transport", works: list, result: torch.Tensor, phase: str, chunk: int,
                  direction: str, keep: Tuple = (), regroup: Optional[Tuple] = None, start=None, timed: bool = False,
-                 where: Optional[str] = None):
+                 where: Optional[str] = None, error: Optional[BaseException] = None):
         self.t, self.works, self.result, self.keep = transport, works, result, keep
         self.phase, self.chunk, self.direction, self.regroup = phase, chunk, direction, regroup
         self.start, self.timed = start, timed
-        self.done, self.where = False, where
+        self.done, self.where, self.error = False, where, error
 
     def wait(self) -> torch.Tensor:
         if self.done:
@@ -54,6 +58,8 @@ class InFlight:
         if self.timed:  # point-to-point: several Works; the span ends when the last one was waited for
             t.timeline.comm(self.phase, None, chunk=self.chunk, direction=self.direction, start=self.start)
         self.done, self.keep = True, ()
+        if self.error is not None:
+            raise self.error
         if self.regroup is not None:
             recv, index = self.regroup
             with t.timeline.compute("regroup", chunk=self.chunk, direction=self.direction):
@@ -86,6 +92,23 @@ class Transport(abc.ABC):
 
     def kernels(self, device):
         return select_backend(self.backend, device)
+
+    def local(self, make, what: str):
+        """(make(), None); when the local work before a transfer raises (a buffer, a send-side regroup), the
+        transfer must still go out with the agreed sizes, its peers wait in it: (make() once more, the error)
+        for a buffer, or the caller's placeholder. A buffer that fails twice leaves nothing to transfer with:
+        the group is poisoned (CollectiveError here, the peers' wait times out)."""
+        try:
+            return make(), None
+        except Exception as err:  # noqa: BLE001 - travels to every rank through the end-of-phase exchange
+            if as_collective_error(err):
+                raise
+            try:
+                return make(), err
+            except Exception as again:  # noqa: BLE001
+                reason = f"EP rank {self.rank} could not make the {what} of a transfer its peers are in: {again}"
+                poison(self.group, reason)
+                raise CollectiveError(f"moe_comm: {reason}; {REBUILD}") from err
 
     def _scratch(self, kind: str, plan: ChunkPlan, direction: str, rows: int, like: torch.Tensor) -> torch.Tensor:
         # One buffer per (kind, direction, chunk): chunks in flight at the same time never share one.
@@ -125,9 +148,12 @@ class AllToAll(Transport):
     regroups = True
 
     def to_experts(self, src_NH, plan, *, phase, direction, out=None):
-        if out is None:  # fresh: the experts may keep it for backward
-            out = src_NH.new_empty(plan.num_recv, src_NH.shape[1])
-        recv = out if plan.expert_index_R is None else self._scratch("recv", plan, direction, plan.num_recv, src_NH)
+        def buffers():
+            o = src_NH.new_empty(plan.num_recv, src_NH.shape[1]) if out is None else out  # fresh: the experts keep it
+            r = o if plan.expert_index_R is None else self._scratch("recv", plan, direction, plan.num_recv, src_NH)
+            return o, r
+
+        (out, recv), error = self.local(buffers, "receive buffer")
         where = self.arrive(plan, phase, direction)
         t0 = self.timeline.mark()
         with issuing(self.group, f"{phase} ({direction}) {self.what} of {plan.label}", self.rank):
@@ -135,19 +161,28 @@ class AllToAll(Transport):
         self.timeline.comm(phase, work, chunk=plan.chunk, direction=direction, start=t0)
         regroup = None if plan.expert_index_R is None else (recv, plan.expert_index_R)
         return InFlight(self, [work], out, phase, plan.chunk, direction, keep=(src_NH, recv), regroup=regroup,
-                        where=where)
+                        where=where, error=error)
 
     def to_tokens(self, src_RH, plan, out_NH, *, phase, direction):
+        error = None
         if plan.source_index_R is not None:
-            with self.timeline.compute("regroup", chunk=plan.chunk, direction=direction):
-                src_RH = self.kernels(src_RH.device).permute_rows(
-                    src_RH, plan.source_index_R, out=self._scratch("back", plan, direction, plan.num_recv, src_RH))
+            def regroup():
+                with self.timeline.compute("regroup", chunk=plan.chunk, direction=direction):
+                    back = self._scratch("back", plan, direction, plan.num_recv, src_RH)
+                    return self.kernels(src_RH.device).permute_rows(src_RH, plan.source_index_R, out=back)
+
+            try:
+                src_RH = regroup()
+            except Exception as err:  # noqa: BLE001 - the rows go back unregrouped (placeholder), the error travels
+                if as_collective_error(err):
+                    raise
+                error = err
         where = self.arrive(plan, phase, direction)
         t0 = self.timeline.mark()
         with issuing(self.group, f"{phase} ({direction}) {self.what} of {plan.label}", self.rank):
             work = all_to_all_v_async(out_NH, src_RH, plan.send_splits_W, plan.recv_splits_W, self.group)
         self.timeline.comm(phase, work, chunk=plan.chunk, direction=direction, start=t0)
-        return InFlight(self, [work], out_NH, phase, plan.chunk, direction, keep=(src_RH,), where=where)
+        return InFlight(self, [work], out_NH, phase, plan.chunk, direction, keep=(src_RH,), where=where, error=error)
 
 
 class PointToPoint(Transport):
@@ -175,24 +210,26 @@ class PointToPoint(Transport):
         return by_dest, by_expert
 
     def to_experts(self, src_NH, plan, *, phase, direction, out=None):
+        error = None
         if out is None:
-            out = src_NH.new_empty(plan.num_recv, src_NH.shape[1])
+            out, error = self.local(lambda: src_NH.new_empty(plan.num_recv, src_NH.shape[1]), "receive buffer")
         by_dest, by_expert = self._segments(plan, back=False)
         where = self.arrive(plan, phase, direction)
         t0 = self.timeline.mark()
         with issuing(self.group, f"{phase} ({direction}) {self.what} of {plan.label}", self.rank):
             works = issue_segments(out, src_NH, by_dest, by_expert, self.group)
         return InFlight(self, works, out, phase, plan.chunk, direction, keep=(src_NH,), start=t0, timed=True,
-                        where=where)
+                        where=where, error=error)
 
     def to_tokens(self, src_RH, plan, out_NH, *, phase, direction):
+        src_RH, error = self.local(src_RH.contiguous, "contiguous rows")
         by_dest, by_expert = self._segments(plan, back=True)
         where = self.arrive(plan, phase, direction)
         t0 = self.timeline.mark()
         with issuing(self.group, f"{phase} ({direction}) {self.what} of {plan.label}", self.rank):
-            works = issue_segments(out_NH, src_RH.contiguous(), by_expert, by_dest, self.group)
+            works = issue_segments(out_NH, src_RH, by_expert, by_dest, self.group)
         return InFlight(self, works, out_NH, phase, plan.chunk, direction, keep=(src_RH,), start=t0, timed=True,
-                        where=where)
+                        where=where, error=error)
 
 
 def choose(world: int, num_local_experts: int, num_chunks: int, rows_W: List[int], row_bytes: int,

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from moe_comm.comm.channel import as_collective_error
 from moe_comm.comm.wire import Phase
 from moe_comm.dispatch.plan import DispatchHandle
 from moe_comm.kernels import select_backend
@@ -26,23 +27,33 @@ class DispatchRows(torch.autograd.Function):
     def forward(ctx, x_TH, x_NH, d: "Dispatcher", handle: DispatchHandle):
         ctx.d, ctx.handle = d, handle
         plan = handle.chunks[0]
-        with d.workspace.dropped_on_error():
-            rows_RH = handle.transport.to_experts(x_NH, plan, phase="dispatch", direction="fwd").wait()
-        if d.dispatch_dtype is None:
-            return rows_RH
-        with d.timeline.compute("dequantize"):  # FP8 rows: the gradient passes straight through
-            return d._dequantize(rows_RH, x_TH.shape[1], x_TH.dtype)
+        inflight = handle.transport.to_experts(x_NH, plan, phase="dispatch", direction="fwd")
+        try:
+            with d.workspace.dropped_on_error():
+                rows_RH = inflight.wait()
+            if d.dispatch_dtype is None:
+                return rows_RH
+            with d.timeline.compute("dequantize"):  # FP8 rows: the gradient passes straight through
+                return d._dequantize(rows_RH, x_TH.shape[1], x_TH.dtype)
+        except Exception as err:  # noqa: BLE001 - the transfer completed: placeholder rows, raised at combine()
+            if as_collective_error(err) or d.world_size == 1:
+                raise
+            d.channel.carry(err, f"the dispatch() of call {handle.call}")
+            return x_TH.new_zeros(plan.num_recv, x_TH.shape[1])
 
     @staticmethod
     def backward(ctx, grad_RH):
         d, handle = ctx.d, ctx.handle
         plan = handle.chunks[0]
         d._exchange_status(Phase.DISPATCH_BWD, handle)
-        grad_NH = d.workspace.rows("grad_rows", plan.num_rows, grad_RH.shape[1], grad_RH)
-        with d.workspace.dropped_on_error():
-            handle.transport.to_tokens(grad_RH.contiguous(), plan, grad_NH, phase="dispatch", direction="bwd").wait()
-        impl = select_backend(d.backend, grad_RH.device)
-        return impl.unpermute_rows(grad_NH, handle.layout.dest_row_TK), None, None, None
+        with d.alone(f"the backward of dispatch() of call {handle.call}"):
+            grad_NH = handle.transport.local(
+                lambda: d.workspace.rows("grad_rows", plan.num_rows, grad_RH.shape[1], grad_RH), "gradient rows")[0]
+            with d.workspace.dropped_on_error():
+                handle.transport.to_tokens(grad_RH.contiguous(), plan, grad_NH, phase="dispatch",
+                                           direction="bwd").wait()
+            impl = select_backend(d.backend, grad_RH.device)
+            return impl.unpermute_rows(grad_NH, handle.layout.dest_row_TK), None, None, None
 
 
 class CombineRows(torch.autograd.Function):
@@ -61,7 +72,7 @@ class CombineRows(torch.autograd.Function):
     def backward(ctx, grad_NH):
         d, handle = ctx.d, ctx.handle
         d._exchange_status(Phase.COMBINE_BWD, handle)
-        with d.workspace.dropped_on_error():
+        with d.alone(f"the backward of combine() of call {handle.call}"), d.workspace.dropped_on_error():
             grad = handle.transport.to_experts(grad_NH.contiguous(), handle.chunks[0], phase="combine",
                                                direction="bwd").wait()
         return grad, None, None, None

@@ -205,9 +205,16 @@ class MoELayer(nn.Module):
                                      allow_single_process=allow_single_process,
                                      max_tokens_per_rank=cfg.max_tokens_per_rank, dedup=cfg.dedup,
                                      dispatch_dtype=cfg.dispatch_dtype, dispatch_scales=cfg.dispatch_scales)
+        self.timeline.device = self.experts.w1.device  # the experts' work runs there, whatever the group's device
         if not self.experts.w1.is_meta:  # meta: reset_parameters() after to_empty() makes them equal
             self._broadcast_replicated()
         self.register_forward_pre_hook(_check_data_parallel_hook)
+
+    def _apply(self, fn, recurse=True):
+        """``.to()``, ``.cuda()``, ``to_empty()``: the timeline follows the experts' device."""
+        out = super()._apply(fn, recurse)
+        self.timeline.device = self.experts.w1.device
+        return out
 
     def _build(self, cfg: MoEConfig, W: int, rank: int, seed, device, dtype, monitor, bias_update_rate) -> None:
         """The local part of construction (no collective): modules, monitor, placement and bias state."""
@@ -586,7 +593,15 @@ class MoELayer(nn.Module):
         recompute = in_backward()  # activation checkpointing: this forward already ran once
         if not recompute:
             self.finish_bias_update()
-        y_TH, routing = self._dispatch(x, token_mask, recompute)
+        try:
+            y_TH, routing = self._dispatch(x, token_mask, recompute)
+        except Exception:
+            # Failed on this rank alone after the call's last exchange (the final unpermute; its peers returned and
+            # issue the monitor's collective): issue it too, with zero counts, so the collectives stay paired; the
+            # failure reaches the peers with this rank's next exchange. A failure every rank raised records nothing.
+            if not recompute and self.dispatcher.channel.late is not None:
+                self._record_load(None)
+            raise
         # After the dispatch: its counts exchange already made every rank raise on a bad input, so the
         # monitor's collective is issued by all ranks or by none (a sync-free rank that failed records zero
         # counts, as its peers issue theirs). A recompute counts nothing twice.

@@ -176,6 +176,9 @@ def _rank_folded_step(rank, world_size, mismatch):
 def test_a_step_mismatch_older_than_the_unread_window_still_raises_at_check(ranks, mismatch):
     for rank, outcome in enumerate(ranks(2).run(_rank_folded_step, mismatch)):
         if mismatch:
-            assert outcome.startswith("PeerFailed:") and "older than the last 64" in outcome, (rank, outcome)
+            # each rank names the rank whose step differs from its own, the call, and the cap on unread exchanges
+            assert outcome.startswith("PeerFailed:"), (rank, outcome)
+            assert f"EP rank(s) [{1 - rank}] failed, or disagreed with this rank, in call 2 " in outcome, outcome
+            assert "more than 64 exchanges went unread" in outcome and "discard their outputs" in outcome
         else:
             assert outcome == "value", (rank, outcome)

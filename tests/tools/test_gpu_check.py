@@ -118,12 +118,9 @@ def test_nccl_ranks_needs_two_ranks():
     assert proc.returncode == 2 and "--nccl-ranks: N >= 2" in proc.stderr, proc.stderr[-2000:]
 
 
-TIMELINE_FIX = pytest.mark.xfail(strict=True, reason="#26.1: the library gives the timeline the control channel's "
-                                                    "device (CPU) until the first forward; remove with the fix")
 CFG = dict(hidden_size=16, ffn_hidden_size=24, num_experts=4, top_k=2)
 
 
-@TIMELINE_FIX
 def test_timeline_on_the_layer_device_from_construction():
     """Tier 1: gpu_check's timeline section checks the timeline's device before the first forward, on CUDA. The
     dry run's layer is on the CPU like its channel, so it cannot tell; a layer built on meta (a device other
@@ -133,7 +130,6 @@ def test_timeline_on_the_layer_device_from_construction():
     assert layer.timeline.device.type == "meta", f"timeline on {layer.timeline.device}"
 
 
-@TIMELINE_FIX
 def test_timeline_follows_a_moved_layer():
     """Tier 1: a layer built on the CPU and moved (``.to(device)``) takes its timeline along."""
     layer = moe_comm.MoELayer(moe_comm.MoEConfig(**CFG), seed=1, allow_single_process=True).to("meta")
