@@ -35,10 +35,11 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from moe_comm._checks import check_int, check_out, check_tensor
-from moe_comm.kernels.reference import acc_dtype, check_dequantize_args, check_quantize_args
+from moe_comm.kernels.reference import (acc_dtype, check_dequantize_args, check_quantize_args,
+                                        check_unpermute_backward_args)
 
-__all__ = ["available", "permute_rows", "unpermute_rows", "unpermute_weight_grad", "make_layout", "make_rank_rows",
-           "quantize_rows", "dequantize_rows", "output_cache_stats", "set_output_cache_limit"]
+__all__ = ["available", "permute_rows", "unpermute_rows", "unpermute_weight_grad", "unpermute_backward", "make_layout",
+           "make_rank_rows", "quantize_rows", "dequantize_rows", "output_cache_stats", "set_output_cache_limit"]
 
 _CSRC_DIR = Path(__file__).resolve().parents[2] / "csrc"
 _SOURCES = ("permute.cpp", "quant.cpp")
@@ -238,6 +239,39 @@ def unpermute_weight_grad(grad_TH: torch.Tensor, y_NH: torch.Tensor, row_TK: tor
     if grad_TH.dtype not in (y_NH.dtype, acc):
         grad_TH = grad_TH.to(acc)
     return _ext().unpermute_weight_grad(grad_TH.contiguous(), y_NH.contiguous(), row_TK)
+
+
+def unpermute_backward(grad_TH: torch.Tensor, row_TK: torch.Tensor, num_rows: int,
+                       weight_TK: Optional[torch.Tensor] = None, y_NH: Optional[torch.Tensor] = None,
+                       grad_y: bool = True) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Both gradients of ``unpermute_rows`` in one pass per token (``reference.unpermute_backward``).
+
+    Args:
+        grad_TH: [T, H] float32 / float64 / bfloat16 / float16 CPU gradient of the unpermuted output.
+        row_TK: [T, K] int64 in [-1, num_rows); -1 = dropped (no row, weight gradient 0).
+        num_rows: N. weight_TK: optional [T, K] float32 / float64 (cast to the accumulation dtype).
+        y_NH: optional [N, H] rows of the forward in grad's dtype; given: the weights' gradient is computed.
+        grad_y: whether to compute y's gradient.
+    Returns: (grad_y_NH [N, H] of grad's dtype, bit-identical to the reference on the rows slots point at,
+        other rows unwritten; or None), (grad_w_TK [T, K] in the accumulation dtype, the reference's to fp
+        tolerance; or None).
+    Example:
+        grad_TH = [[1, 2]], row_TK = [[1, -1]], weight_TK = [[0.5, 9]], y_NH = [[3, 4], [5, 6]]
+        -> grad_y_NH[1] = [0.5, 1], grad_w_TK = [[17, 0]]
+    """
+    T, K, H = check_unpermute_backward_args(grad_TH, row_TK, num_rows, weight_TK, y_NH, grad_y)
+    check_tensor("grad_TH", grad_TH, device=_CPU)
+    acc = acc_dtype(grad_TH.dtype)
+    gy_NH = _ext().empty_cached((num_rows, H), grad_TH) if grad_y else None
+    gw_TK = torch.empty(T, K, dtype=acc) if y_NH is not None else None
+    if T == 0 or K == 0 or (gy_NH is None and gw_TK is None):
+        return gy_NH, gw_TK
+    if num_rows == 0 or H == 0:  # every slot dropped, or empty rows: nothing to write, every dot product 0
+        return gy_NH, None if gw_TK is None else gw_TK.zero_()
+    _ext().unpermute_backward(grad_TH.contiguous(), row_TK.contiguous(),
+                              None if weight_TK is None else weight_TK.to(acc).contiguous(),
+                              None if y_NH is None else y_NH.contiguous(), gy_NH, gw_TK)
+    return gy_NH, gw_TK
 
 
 def make_layout(topk_idx_TK: torch.Tensor, num_experts: int, num_chunks: int = 1):

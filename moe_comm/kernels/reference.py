@@ -39,10 +39,10 @@ from typing import Optional, Tuple
 
 import torch
 
-from moe_comm._checks import check_bool, check_int, check_out, check_tensor
+from moe_comm._checks import check_bool, check_int, check_out, check_same_device, check_tensor
 
 __all__ = ["permute_rows", "unpermute_rows", "unpermute_weight_grad", "acc_dtype", "FP8_BLOCK", "FP8_MAX",
-           "FP8_TOP_LIMIT", "ue8m0_top_code",
+           "FP8_TOP_LIMIT", "ue8m0_top_code", "unpermute_backward", "check_unpermute_backward_args",
            "FP8_DTYPES", "packed_width", "packed_layout", "quantize_rows", "dequantize_rows", "block_scales",
            "check_quantize_args", "check_dequantize_args"]
 
@@ -135,6 +135,67 @@ def unpermute_weight_grad(grad_TH: torch.Tensor, y_NH: torch.Tensor, row_TK: tor
         dots = (rows * g).sum(dim=1)
         out[:, k] = torch.where(row_TK[:, k] >= 0, dots, torch.zeros_like(dots))
     return out
+
+
+_GRAD_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def check_unpermute_backward_args(grad_TH, row_TK, num_rows, weight_TK, y_NH, grad_y) -> Tuple[int, int, int]:
+    """Checks of ``unpermute_backward``'s arguments (shared by every backend); returns (T, K, H)."""
+    check_tensor("grad_TH", grad_TH, dim=2, dtypes=_GRAD_DTYPES)
+    T, H = grad_TH.shape
+    check_tensor("row_TK", row_TK, dim=2, shape=(T, None), shape_from="[T, K], T from grad_TH", dtypes=(torch.int64,))
+    K = row_TK.shape[1]
+    check_int("num_rows", num_rows, 0)
+    check_bool("grad_y", grad_y)
+    if weight_TK is not None:
+        check_tensor("weight_TK", weight_TK, shape=(T, K), shape_from="row_TK's shape",
+                     dtypes=(torch.float32, torch.float64))
+    if y_NH is not None:
+        check_tensor("y_NH", y_NH, shape=(num_rows, H), shape_from="[num_rows, H], H from grad_TH",
+                     dtypes=(grad_TH.dtype,))
+    check_same_device("grad_TH", grad_TH, row_TK=row_TK, weight_TK=weight_TK, y_NH=y_NH)
+    return T, K, H
+
+
+def unpermute_backward(grad_TH: torch.Tensor, row_TK: torch.Tensor, num_rows: int,
+                       weight_TK: Optional[torch.Tensor] = None, y_NH: Optional[torch.Tensor] = None,
+                       grad_y: bool = True) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Both gradients of ``unpermute_rows`` from one read of ``grad_TH`` (the kernels do one pass per token).
+
+    Args:
+        grad_TH: [T, H] float gradient of the unpermuted output.
+        row_TK: [T, K] int64, the permuted row of slot (t, k), in [0, num_rows); -1 = dropped (no row
+            written, weight gradient 0).
+        num_rows: N, the rows of y.
+        weight_TK: optional [T, K] float32 / float64 weights of the forward (None: a plain sum).
+        y_NH: optional [N, H] rows of the forward, grad's dtype; given: the weights' gradient is computed.
+        grad_y: whether to compute y's gradient.
+    Returns: (grad_y_NH, grad_w_TK).
+        grad_y_NH: [N, H] of grad's dtype, row row_TK[t, k] = grad_TH[t] * weight_TK[t, k] in
+            ``acc_dtype`` cast back (``permute_rows`` with scales: bit-identical on every backend); rows
+            no slot points at (padding of a padded layout) are 0 here and unwritten by the kernels. None
+            when not ``grad_y``.
+        grad_w_TK: [T, K] in ``acc_dtype(y's dtype)``, <grad_TH[t], y_NH[row_TK[t, k]]> (the kernels sum
+            in their own order: fp tolerance), 0 for dropped slots. None without ``y_NH``.
+    Example:
+        grad_TH = [[1, 2]], row_TK = [[1, -1]], weight_TK = [[0.5, 9]], y_NH = [[3, 4], [5, 6]]
+        -> grad_y_NH = [[0, 0], [0.5, 1]], grad_w_TK = [[1*5 + 2*6, 0]] = [[17, 0]]
+    """
+    T, K, H = check_unpermute_backward_args(grad_TH, row_TK, num_rows, weight_TK, y_NH, grad_y)
+    gy_NH = gw_TK = None
+    if grad_y:
+        acc = acc_dtype(grad_TH.dtype)
+        valid_S = row_TK.reshape(-1) >= 0
+        dest_S = torch.where(valid_S, row_TK.reshape(-1), num_rows)  # dropped slots: a spare row, cut off
+        rows_SH = grad_TH.repeat_interleave(K, dim=0) if K else grad_TH[:0]
+        if weight_TK is not None:
+            rows_SH = (rows_SH.to(acc) * weight_TK.reshape(-1).to(acc)[:, None]).to(grad_TH.dtype)
+        gy_NH = torch.zeros(num_rows + 1, H, dtype=grad_TH.dtype, device=grad_TH.device)
+        gy_NH = gy_NH.index_copy_(0, dest_S, rows_SH)[:num_rows]
+    if y_NH is not None:
+        gw_TK = unpermute_weight_grad(grad_TH, y_NH, row_TK)
+    return gy_NH, gw_TK
 
 
 # ---------------------------------------------------------------------------------------------------

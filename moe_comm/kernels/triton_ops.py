@@ -19,13 +19,13 @@ The module imports without triton installed; ``available()`` then returns False.
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
 from moe_comm._checks import check_out, check_same_device, check_tensor
 from moe_comm.kernels.reference import (FP8_BLOCK, acc_dtype, check_dequantize_args, check_quantize_args,
-                                        packed_layout, ue8m0_top_code)
+                                        check_unpermute_backward_args, packed_layout, ue8m0_top_code)
 
 try:  # optional dependency: the module must import without triton (available() -> False)
     import triton
@@ -34,8 +34,8 @@ except Exception:  # ImportError, or a broken install that fails while importing
     triton = None
     tl = None
 
-__all__ = ["available", "permute_rows", "unpermute_rows", "unpermute_weight_grad", "quantize_rows",
-           "dequantize_rows"]
+__all__ = ["available", "permute_rows", "unpermute_rows", "unpermute_weight_grad", "unpermute_backward",
+           "quantize_rows", "dequantize_rows"]
 
 # Payload dtypes the kernels move. Integer payloads (e.g. fp8 viewed as uint8) are permuted as raw bits;
 # scaling and the reductions need floating rows.
@@ -149,6 +149,45 @@ if triton is not None:
             y = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0).to(ACC)
             acc += g * y
         tl.store(out_ptr + t * K + k, tl.sum(acc, axis=0))
+
+    @triton.jit
+    def _unpermute_backward_kernel(grad_ptr, row_ptr, weight_ptr, y_ptr, grad_y_ptr, grad_w_ptr, H, K,
+                                   stride_grad, stride_y, stride_gy, HAS_WEIGHT: tl.constexpr,
+                                   GRAD_Y: tl.constexpr, GRAD_W: tl.constexpr, ACC: tl.constexpr,
+                                   BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
+        """One program per token t walks grad[t] once in BLOCK_H columns; for each valid slot k (row
+        r = row[t, k]) it writes grad_y[r] = grad[t] * w[t, k] (cast back; without weights a copy) and
+        accumulates <grad[t], y[r]> into grad_w[t, k] (0 for a dropped slot). The K slots are the rows of
+        a [BLOCK_K, BLOCK_H] tile, so grad[t] is read once, not 2K times as by permute + weight-grad.
+
+        Example (H=2, K=2, grid (1,)):
+            grad = [[1, 2]], row = [[1, -1]], w = [[.5, 9]], y = [[3, 4], [5, 6]]
+            -> grad_y[1] = [.5, 1] (row 0 untouched), grad_w = [[1*5 + 2*6, 0]] = [[17, 0]]
+        """
+        t = tl.program_id(0).to(tl.int64)
+        ks = tl.arange(0, BLOCK_K)
+        in_k = ks < K
+        rows = tl.load(row_ptr + t * K + ks, mask=in_k, other=-1)
+        valid = rows >= 0  # dropped slots load and store nothing
+        if HAS_WEIGHT:
+            w = tl.load(weight_ptr + t * K + ks, mask=in_k & valid, other=0.0).to(ACC)
+        dots = tl.zeros([BLOCK_K, BLOCK_H], dtype=ACC)
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            in_h = cols < H
+            g_raw = tl.load(grad_ptr + t * stride_grad + cols, mask=in_h, other=0.0)
+            m = valid[:, None] & in_h[None, :]
+            if GRAD_Y:
+                if HAS_WEIGHT:
+                    v = _cast_rtne(g_raw.to(ACC)[None, :] * w[:, None], grad_y_ptr.dtype.element_ty)
+                else:
+                    v = tl.broadcast_to(g_raw[None, :], [BLOCK_K, BLOCK_H])  # a copy, bit for bit
+                tl.store(grad_y_ptr + rows[:, None] * stride_gy + cols[None, :], v, mask=m)
+            if GRAD_W:
+                y = tl.load(y_ptr + rows[:, None] * stride_y + cols[None, :], mask=m, other=0.0).to(ACC)
+                dots += g_raw.to(ACC)[None, :] * y
+        if GRAD_W:
+            tl.store(grad_w_ptr + t * K + ks, tl.sum(dots, axis=1), mask=in_k)
 
 
     # -----------------------------------------------------------------------------------------------
@@ -469,6 +508,40 @@ def unpermute_weight_grad(grad_TH: torch.Tensor, y_NH: torch.Tensor, row_TK: tor
     return out
 
 
+def unpermute_backward(grad_TH: torch.Tensor, row_TK: torch.Tensor, num_rows: int,
+                       weight_TK: Optional[torch.Tensor] = None, y_NH: Optional[torch.Tensor] = None,
+                       grad_y: bool = True) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Both gradients of ``unpermute_rows`` from one kernel, one program per token (``reference.unpermute_backward``).
+
+    Args:
+        grad_TH: [T, H] float16/bfloat16/float32/float64 gradient of the unpermuted output, any row stride.
+        row_TK: [T, K] int64 in [-1, num_rows) (not checked: a host sync); -1 = dropped (no row, gradient 0).
+        num_rows: N. weight_TK: optional [T, K] float32 / float64 weights (None: a plain sum).
+        y_NH: optional [N, H] rows of the forward in grad's dtype; given: the weights' gradient is computed.
+        grad_y: whether to compute y's gradient.
+    Returns: (grad_y_NH [N, H] of grad's dtype, bit-identical to the reference on the rows slots point at,
+        other rows unwritten; or None), (grad_w_TK [T, K] float32 (float64 for float64 rows), the reference's
+        to fp tolerance; or None).
+    Example:
+        grad_TH = [[1, 2]], row_TK = [[1, -1]], weight_TK = [[0.5, 9]], y_NH = [[3, 4], [5, 6]]
+        -> grad_y_NH[1] = [0.5, 1], grad_w_TK = [[17, 0]]
+    """
+    _require_triton()
+    T, K, H = check_unpermute_backward_args(grad_TH, row_TK, num_rows, weight_TK, y_NH, grad_y)
+    _check_runs_here("grad_TH", grad_TH)
+    dev = grad_TH.device
+    gy_NH = torch.empty(num_rows, H, dtype=grad_TH.dtype, device=dev) if grad_y else None
+    gw_TK = torch.empty(T, K, dtype=acc_dtype(grad_TH.dtype), device=dev) if y_NH is not None else None
+    if T == 0 or K == 0 or (gy_NH is None and gw_TK is None):
+        return gy_NH, gw_TK
+    if num_rows == 0 or H == 0:  # every slot dropped, or empty rows: nothing to write, every dot product 0
+        return gy_NH, None if gw_TK is None else gw_TK.zero_()
+    _launch_unpermute_backward(_rows_last_dense(grad_TH), row_TK.contiguous(),
+                               None if weight_TK is None else weight_TK.contiguous(),
+                               None if y_NH is None else _rows_last_dense(y_NH), gy_NH, gw_TK)
+    return gy_NH, gw_TK
+
+
 def quantize_rows(x_TH: torch.Tensor, ue8m0: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Quantize each row to float8_e4m3fn in blocks of 128, packed with its block scales (``reference.py``).
 
@@ -548,6 +621,24 @@ def _launch_weight_grad(grad_TH, y_NH, row_TK, out_TK, block_bytes: int = _BLOCK
         _unpermute_weight_grad_kernel[grid](
             grad_TH, y_NH, row_TK, out_TK, H, K, grad_TH.stride(0), y_NH.stride(0),
             ACC=_tl_acc(y_NH.dtype), BLOCK_H=block_h, num_warps=num_warps)
+
+
+def _launch_unpermute_backward(grad_TH, row_TK, weight_TK, y_NH, grad_y_NH, grad_w_TK,
+                               block_bytes: int = _BLOCK_BYTES) -> None:
+    T, H = grad_TH.shape
+    K = row_TK.shape[1]
+    block_k = _next_pow2(K)
+    # the [BLOCK_K, BLOCK_H] tile of y rows / grad_y rows holds about block_bytes, as the other kernels' blocks
+    block_h, num_warps = _block_config(H, grad_TH.element_size() * block_k, block_bytes)
+    some = grad_TH  # any tensor stands in for an absent pointer (its kernel branch is compiled out)
+    with _on_device(grad_TH):
+        _unpermute_backward_kernel[(T,)](
+            grad_TH, row_TK, some if weight_TK is None else weight_TK, some if y_NH is None else y_NH,
+            some if grad_y_NH is None else grad_y_NH, some if grad_w_TK is None else grad_w_TK, H, K,
+            grad_TH.stride(0), 0 if y_NH is None else y_NH.stride(0),
+            0 if grad_y_NH is None else grad_y_NH.stride(0), HAS_WEIGHT=weight_TK is not None,
+            GRAD_Y=grad_y_NH is not None, GRAD_W=grad_w_TK is not None, ACC=_tl_acc(grad_TH.dtype),
+            BLOCK_K=block_k, BLOCK_H=block_h, num_warps=num_warps)
 
 
 def _fp8_config(blocks: Optional[int]):

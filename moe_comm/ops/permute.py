@@ -1,8 +1,9 @@
 """Autograd-aware permute / unpermute / row gather over the kernel backends.
 
 Shapes legend: T tokens, K top-k slots, N routed rows, H hidden size, R rows (any gather).
-Gradient pairs: permute's backward is an unweighted unpermute; unpermute's backward is a
-weighted permute (for y) plus per-slot dot products (for the weights).
+Gradient pairs: permute's backward is an unweighted unpermute; unpermute's backward is one kernel
+(``unpermute_backward``) that reads each token's gradient once and writes its K weighted rows (for y)
+and its K dot products with the forward's rows (for the weights).
 """
 from __future__ import annotations
 
@@ -57,15 +58,18 @@ class _Unpermute(torch.autograd.Function):
         layout: Layout = ctx.layout
         impl = select_backend(ctx.backend, grad_TH.device)
         grad_TH = grad_TH.contiguous()
-        grad_y = grad_w = None
-        if ctx.needs_input_grad[0] and layout.num_tokens == 0:  # only a padded layout has rows without tokens
-            grad_y = grad_TH.new_zeros(layout.num_rows, grad_TH.shape[1])
-        elif ctx.needs_input_grad[0]:
-            scale_N = None if w_TK is None else w_TK.reshape(-1).index_select(0, layout.src_slot_N)
-            grad_y = _zero_padding(impl.permute_rows(grad_TH, layout.token_N, scale_N), layout)
-        if w_TK is not None and ctx.needs_input_grad[1]:
-            grad_w = impl.unpermute_weight_grad(grad_TH, y_NH, layout.dest_row_TK).to(w_TK.dtype)
-        return grad_y, grad_w, None, None
+        need_y, need_w = ctx.needs_input_grad[0], w_TK is not None and ctx.needs_input_grad[1]
+        if not (need_y or need_w):
+            return None, None, None, None
+        if layout.num_tokens == 0:  # only a padded layout has rows without tokens
+            grad_y = grad_TH.new_zeros(layout.num_rows, grad_TH.shape[1]) if need_y else None
+            return grad_y, (torch.zeros_like(w_TK) if need_w else None), None, None
+        # one kernel, one pass per token over grad: y's rows (grad * w) and the weights' dot products
+        grad_y, grad_w = impl.unpermute_backward(grad_TH, layout.dest_row_TK, layout.num_rows, w_TK,
+                                                 y_NH if need_w else None, need_y)
+        if grad_y is not None:  # every row is one slot's, except a padded layout's padding: not written, zeroed
+            _zero_padding(grad_y, layout)
+        return grad_y, None if grad_w is None else grad_w.to(w_TK.dtype), None, None
 
 
 class _GatherRows(torch.autograd.Function):
