@@ -113,7 +113,8 @@ def _bound(*, R: int, C: int, W: int, amp: bool, x_bytes: int = 4):
         "plan: counts [C, W, e] and tokens per expert [e] per chunk, int64; the total rows (a scalar)":
             C * W * e * 8 + C * e * 8 + 8,
         # Under autocast the experts save the bf16 cast of the received rows; the rows themselves stay alive as
-        # the record's gradient leaf (with W = 1 they are the permuted rows). Tolerated, see the report of 26.3.
+        # the record's gradient leaf (with W = 1 they are the permuted rows, which the record's wire holds too).
+        # Backward never reads them: avoidable in the pipeline, tolerated here until it is (issue 26.3).
         "received rows [R, H], x's dtype: the record's gradient leaf (autocast only)": R * H * x_bytes if amp else 0,
     }
     if W > 1:
