@@ -29,7 +29,7 @@ from moe_comm.comm.wire import HEADER_WORDS, MESSAGE_WORDS, Failure, Phase, Word
 from moe_comm.dispatch.autotune import AutoChunker, PipelinePlan, chunk_overhead, now
 from moe_comm.dispatch import send_rows
 from moe_comm.dispatch.plan import (ChunkPlan, DispatchHandle, DispatchOutput, build_chunk_plans, group_pieces,
-                                    rank_major_pays)
+                                    layout_device, rank_major_pays, to_device)
 from moe_comm.dispatch.transport import AllToAll, choose
 from moe_comm.dispatch.two_step import CombineRows, DispatchRows
 from moe_comm.dispatch.workspace import shared_workspace
@@ -315,7 +315,9 @@ class Dispatcher:
 
         rank_rows = layout if isinstance(layout, ops.RankRows) else None
         row_bytes = rows[0][Word.ROW_BYTES] if self.dispatch_dtype is None else self._wire_width(hidden)
-        recv_counts_WCe = pending.recv_WX[:, base:base + C * e].reshape(W, C, e)
+        # the rows' device: a gloo group's exchange is on the CPU while the rows may be on CUDA; every index and count
+        # the kernels and the experts read must be where the rows are
+        recv_counts_WCe = to_device(pending.recv_WX[:, base:base + C * e].reshape(W, C, e), layout_device(layout))
         if rank_rows is not None:  # one copy per rank: rows per (rank, chunk) after the slots; one all-to-all
             def rows_of(row):
                 return [[row[base + C * e + c]] for c in range(C)]
@@ -486,6 +488,7 @@ class Dispatcher:
         if handle.combined:  # local misuse after a completed collective call: raised here, no exchange
             raise ValueError("handle was already combined: each dispatch() is combined exactly once")
         error = None
+        topk_weight_TK = _exact_float32(topk_weight_TK)
         try:
             self._check_combine(expert_out_RH, topk_weight_TK, handle)
         except (TypeError, ValueError) as err:
@@ -537,6 +540,7 @@ class Dispatcher:
         """
         from moe_comm.dispatch.pipeline import run_pipeline
 
+        topk_weight_TK = _exact_float32(topk_weight_TK)
         if self.sync_free:
             if num_chunks not in (None, 1):
                 raise ValueError(f"num_chunks must be 1 (or None) in sync-free mode (max_tokens_per_rank), "
@@ -619,6 +623,13 @@ class Dispatcher:
         from moe_comm.dispatch.sync_free import call_sync_free
 
         return call_sync_free(self, x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn, local_error)
+
+
+def _exact_float32(topk_weight_TK):
+    """fp16/bf16 routing weights as float32 (exact; the weighted sums run in float32 or float64), with autograd."""
+    if isinstance(topk_weight_TK, torch.Tensor) and topk_weight_TK.dtype in (torch.float16, torch.bfloat16):
+        return topk_weight_TK.float()
+    return topk_weight_TK
 
 
 def check_weights(topk_weight_TK, shape, device) -> None:

@@ -16,7 +16,7 @@ from einops import rearrange
 from moe_comm.ops.layout import Layout, RankRows
 
 __all__ = ["ChunkPlan", "DispatchHandle", "DispatchOutput", "build_chunk_plans", "group_pieces",
-           "expert_major_index", "padded_expert_major_index", "rank_major_pays"]
+           "expert_major_index", "padded_expert_major_index", "rank_major_pays", "to_device", "layout_device"]
 
 
 @dataclass
@@ -126,6 +126,22 @@ def segments_of(blocks) -> List[Tuple[int, int, int]]:
             out.append((j, start, int(n)))
         start += n
     return out
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` (the rows' device), without a blocking copy: a CPU tensor goes to CUDA from pinned
+    memory, asynchronously. A no-op when it is there already."""
+    if t.device == device:
+        return t
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def layout_device(layout) -> torch.device:
+    """The device of a call's rows (its layout's tensors)."""
+    lay = layout.layout if isinstance(layout, RankRows) else layout
+    return lay.dest_row_TK.device
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from moe_comm import ops
 from moe_comm.comm.wire import HEADER_WORDS, MESSAGE_WORDS, Phase
 from moe_comm.dispatch.dispatcher import check_call_args
 from moe_comm.dispatch.pipeline import run_pipeline
-from moe_comm.dispatch.plan import ChunkPlan, DispatchHandle, padded_expert_major_index
+from moe_comm.dispatch.plan import ChunkPlan, DispatchHandle, layout_device, padded_expert_major_index, to_device
 from moe_comm.dispatch.transport import AllToAll, Local
 from moe_comm.kernels import select_backend
 
@@ -50,7 +50,10 @@ def call_sync_free(d, x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn, loc
     H, dtype, K = d._agreed
     P = M * K  # rows per destination rank: >= T*K, so no routing can overflow it
     base = HEADER_WORDS + MESSAGE_WORDS
-    counts_We = layout.counts_CWe[0] if W == 1 else pending.recv_WX[:, base:base + e]  # rows per (source, expert)
+    # rows per (source, expert), on the rows' device (a gloo group's exchange is on the CPU)
+    counts_We = layout.counts_CWe[0] if W == 1 else pending.recv_WX[:, base:base + e]
+    if layout is not None:
+        counts_We = to_device(counts_We, layout_device(layout))
     plan = ChunkPlan(chunk=0, call=pending.call, send_We=[[P] + [0] * (e - 1)] * W,
                      recv_We=[[P] + [0] * (e - 1)] * W, row_offset=0, tokens_per_expert_e=counts_We.sum(0),
                      counts_e=None)

@@ -23,7 +23,7 @@ from torch import nn
 from moe_comm._checks import check_bool, check_float, check_tensor
 from moe_comm.comm.agree import agree
 from moe_comm.comm.channel import read_deferred
-from moe_comm.comm.collectives import group_rank, group_size, resolve_group
+from moe_comm.comm.collectives import group_device, group_rank, group_size, resolve_group
 from moe_comm.config import MoEConfig
 from moe_comm.dispatch.dispatcher import Dispatcher
 from moe_comm.modules.checkpoint import ExpertKeyPath, dcp_fqn_modifiers
@@ -68,6 +68,18 @@ def _check_data_parallel_hook(module: "MoELayer", args) -> None:
     error = data_parallel_error(module)
     if error is not None:
         module.dispatcher.fail(error, device=module.experts.w1.device)
+
+
+def _broadcast(t: torch.Tensor, src: int, group) -> None:
+    """``dist.broadcast`` of ``t`` in place, issued on the group's device (an NCCL group needs CUDA tensors; a
+    layer may be built on the CPU and moved later) and copied back when ``t`` lives elsewhere."""
+    device = group_device(group)
+    if t.device == device:
+        dist.broadcast(t, src=src, group=group)
+        return
+    on_group = t.to(device)
+    dist.broadcast(on_group, src=src, group=group)
+    t.copy_(on_group)
 
 
 def _is_2d_mesh(group) -> bool:
@@ -275,11 +287,11 @@ class MoELayer(nn.Module):
             params += [] if self.shared_experts is None else list(self.shared_experts.parameters())
             params += [] if self.shared_expert_gate is None else [self.shared_expert_gate.weight]
             for p in params:
-                dist.broadcast(p.data, src=src, group=self.ep_group)
+                _broadcast(p.data, src, self.ep_group)
         if group_size(self.dp_group) > 1:
             src = dist.get_global_rank(self.dp_group, 0)
             for t in list(self.parameters()) + list(self.buffers()):
-                dist.broadcast(t.data, src=src, group=self.dp_group)
+                _broadcast(t.data, src, self.dp_group)
 
     def reset_parameters(self) -> None:
         """Collective (EP x DP): re-initialise every weight from the layer's seed as at construction (expert g
