@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_comm.comm.agree import agree_ep_dp
+from moe_comm.comm.collectives import resolve_group
 from moe_comm.config import MoEConfig
 from moe_comm.modules.checkpoint import full_state_dict
 from moe_comm.modules.layer import MoELayer
@@ -165,6 +167,24 @@ def _read_block(block: nn.Module, fam: _Family, who: str) -> Tuple[dict, dict]:
     return cfg, tensors
 
 
+def _timeout_option(options: dict) -> Optional[float]:
+    """The ``timeout`` option when it is a valid one (seconds > 0), else None (the process group's)."""
+    t = options.get("timeout")
+    ok = isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0
+    return float(t) if ok else None
+
+
+def _agree_grid(ep_group, what: str, values: dict, error: Optional[BaseException], options: dict, who: str) -> None:
+    """Collective: ``agree`` on ``values`` over the EP group, then the DP group of a 2-D mesh (as ``MoELayer``
+    does), carrying this rank's ``error``. A rank whose own checks failed thus takes part in the agreement
+    its peers are in: every rank raises, none waits for it (one process: ``error`` is raised)."""
+    ep = resolve_group(ep_group, name=f"{who}: ep_group", allow_single_process=True)
+    dp = None
+    if getattr(ep_group, "ndim", 1) == 2 and hasattr(ep_group, "mesh_dim_names"):
+        dp = resolve_group(ep_group, dim="dp", name=f"{who}: ep_group")
+    agree_ep_dp(ep, dp, values, what=what, local_error=error, timeout=_timeout_option(options))
+
+
 def _split_options(options: dict, who: str) -> Tuple[Optional[str], dict, dict]:
     options = dict(options)
     family = options.pop("family", None)
@@ -202,10 +222,14 @@ def from_hf(block: nn.Module, ep_group=None, **options) -> MoELayer:
     jitter, a non-SiLU activation, biases, another weight layout) or for an option the block fixes.
     """
     who = "from_hf"
-    family, cfg_opts, layer_opts = _split_options(options, who)
-    fam = _family(block, family, who)
-    cfg_fields, t = _read_block(block, fam, who)
-    cfg = MoEConfig(**{**cfg_fields, **cfg_opts})
+    try:  # local checks; a rank that fails here still joins the MoELayer's agreement: every rank raises
+        family, cfg_opts, layer_opts = _split_options(options, who)
+        fam = _family(block, family, who)
+        cfg_fields, t = _read_block(block, fam, who)
+        cfg = MoEConfig(**{**cfg_fields, **cfg_opts})
+    except (TypeError, ValueError) as err:  # the MoELayer agreement its peers are in: every rank raises
+        _agree_grid(ep_group, "MoELayer", {}, err, options, who)
+        raise AssertionError("unreachable: the agreement raises the error") from err
     layer_opts.setdefault("seed", 0)  # weights are overwritten below; do not draw from the global RNG
     device, dtype = t["gate_up"].device, t["gate_up"].dtype
     layer = MoELayer(cfg, ep_group, device=device, dtype=dtype, **layer_opts)
@@ -335,17 +359,24 @@ def swap_moe_blocks(model: nn.Module, ep_group=None, **options) -> int:
     missing.
     """
     who = "swap_moe_blocks"
-    family, _, _ = _split_options(options, who)
     found: List[Tuple[str, nn.Module]] = []
-    for name, module in model.named_modules():
-        known = type(module).__name__ in _FAMILIES
-        looks_moe = isinstance(getattr(module, "experts", None), nn.Module) and \
-            isinstance(getattr(module, "gate", getattr(module, "router", None)), nn.Module)
-        if known or looks_moe:
-            _family(module, family, f"{who}: {name}")  # raises for an unsupported block, before any swap
-            found.append((name, module))
-    for name, module in found:  # every block checked before the first (collective) construction
-        _read_block(module, _family(module, family, who), f"{who}: {name}")
+    local_error = None
+    try:  # every block checked before the first (collective) construction
+        family, _, _ = _split_options(options, who)
+        for name, module in model.named_modules():
+            known = type(module).__name__ in _FAMILIES
+            looks_moe = isinstance(getattr(module, "experts", None), nn.Module) and \
+                isinstance(getattr(module, "gate", getattr(module, "router", None)), nn.Module)
+            if known or looks_moe:
+                _family(module, family, f"{who}: {name}")  # raises for an unsupported block, before any swap
+                found.append((name, module))
+        for name, module in found:
+            _read_block(module, _family(module, family, who), f"{who}: {name}")
+    except (TypeError, ValueError) as err:
+        local_error = err
+    # Collective: every rank learns of a rank's unsupported block (or bad option) and raises, and every rank
+    # will build as many layers (none waits in a construction its peer never starts).
+    _agree_grid(ep_group, who, {"sparse MoE blocks": [name for name, _ in found]}, local_error, options, who)
     hook = bool(found) and _records_router_logits(model)
     for name, module in found:
         layer = from_hf(module, ep_group, **options)

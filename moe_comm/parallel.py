@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_comm.comm.agree import agree
-from moe_comm.comm.collectives import group_rank, group_size, wait_work
+from moe_comm.comm.collectives import check_usable, group_rank, group_size, issuing, wait_work
 from moe_comm.modules.experts import GroupedExperts
 from moe_comm.modules.layer import MoELayer
 
@@ -70,9 +70,17 @@ def expert_parameters(model: nn.Module) -> List[Tuple[str, nn.Parameter]]:
     return [(name, p) for name, p in model.named_parameters() if id(p) in ids]
 
 
+def _timeout(model: nn.Module) -> Optional[float]:
+    """Seconds the helpers here wait for a collective: the largest ``timeout=`` of the model's MoELayers
+    (None, the process group's own timeout, when none sets one)."""
+    given = [layer.dispatcher.timeout for _, layer in moe_layers(model) if layer.dispatcher.timeout is not None]
+    return max(given) if given else None
+
+
 def _check_grid(model: nn.Module, group: Optional[dist.ProcessGroup], what: str) -> int:
     """Collective over ``group`` (None: WORLD): every MoELayer must tile the wrapper's N ranks as EP x DP.
     Returns N; raises on every rank otherwise (``agree``)."""
+    group = group if group is not None else dist.group.WORLD
     N = dist.get_world_size(group)
     members = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     local_error = None
@@ -89,7 +97,7 @@ def _check_grid(model: nn.Module, group: Optional[dist.ProcessGroup], what: str)
                     f"MoELayer(cfg, ep_group=mesh) with a ('dp', 'ep') DeviceMesh, or dp_group=...")
     except ValueError as err:
         local_error = err
-    agree(group, {"MoE layers": len(moe_layers(model))}, what=what, local_error=local_error)
+    agree(group, {"MoE layers": len(moe_layers(model))}, what=what, local_error=local_error, timeout=_timeout(model))
     return N
 
 
@@ -120,27 +128,69 @@ class ExpertGradReducer:
         world_size: N, the ranks the mean loss is taken over (the wrapper's group size).
         sync_enabled: called at each layer's forward: False skips the reduction of that backward (gradient
             accumulation without communication). Default: always.
+        sync_group: the wrapper's process group (all N ranks), or None. When given, every forward of ``model``
+            first checks that every rank of it has the same gradient-sync setting (``sync_enabled()``, and
+            whether grad is enabled): one ``all_gather`` of one int per rank on a private gloo group over its
+            ranks (host memory: no device sync), waited with the layers' ``timeout``. A rank inside
+            ``ddp.no_sync()`` while its peers synchronise would otherwise leave them waiting in the gradient
+            reduction (DDP fails with an internal assert); instead every rank raises ValueError naming the ranks
+            of each setting, before any gradient moves. ``wrap_ddp`` and ``fully_shard_moe`` pass it.
     Per layer and synchronised backward: one async all_reduce per expert weight over the dp_group (none
     when DP = 1), issued when the layer's backward is done, waited and divided by N in an autograd
     end-of-backward callback. gloo has no 16-bit reductions: bf16/fp16 gradients travel as fp32 copies
     there. ``remove()`` uninstalls it.
     """
 
-    def __init__(self, model: nn.Module, world_size: int, sync_enabled: Optional[Callable[[], bool]] = None):
+    def __init__(self, model: nn.Module, world_size: int, sync_enabled: Optional[Callable[[], bool]] = None,
+                 *, sync_group: Optional[dist.ProcessGroup] = None):
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"ExpertGradReducer: world_size must be an int >= 1, got {world_size!r}")
         self.world_size = world_size
         self.sync_enabled = sync_enabled or (lambda: True)
         self.layers = [layer for _, layer in moe_layers(model)]
+        self.timeout = _timeout(model)
         self._pending: List[Tuple[MoELayer, list]] = []
         self._queued_for: Optional[int] = None  # autograd graph task whose end runs _finish
         self._handles = [layer.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
                          for layer in self.layers]
+        self._sync_ranks: List[int] = []
+        self._sync_check: Optional[dist.ProcessGroup] = None  # private gloo group over sync_group's ranks
+        if sync_group is not None and dist.get_world_size(sync_group) > 1:
+            self._sync_ranks = dist.get_process_group_ranks(sync_group)
+            # Collective over sync_group's ranks only (use_local_synchronization): the wrapper's group may be
+            # a subgroup. gloo whatever the wrapper's backend: the check reads one int per rank on the host.
+            self._sync_check = dist.new_group(self._sync_ranks, backend="gloo", use_local_synchronization=True)
+            self._handles.append(model.register_forward_pre_hook(self._check_sync_setting))
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+    def _check_sync_setting(self, model: nn.Module, args: tuple) -> None:
+        """Forward pre-hook of the wrapped model: every rank of the wrapper runs this forward with the same
+        gradient-sync setting, or every rank raises ValueError naming who differs (see ``sync_group``)."""
+        group, me = self._sync_check, dist.get_rank(self._sync_check)
+        check_usable(group, me)
+        mode = 0 if not torch.is_grad_enabled() else (1 if self.sync_enabled() else 2)
+        mine = torch.tensor([mode], dtype=torch.int64, device="cpu")
+        every = [torch.empty_like(mine) for _ in self._sync_ranks]
+        phase = "gradient-sync setting check of the data-parallel wrapper"
+        with issuing(group, phase, me):
+            work = dist.all_gather(every, mine, group=group, async_op=True)
+        wait_work(work, phase, timeout=self.timeout, rank=me, what="all_gather", group=group)
+        modes = torch.cat(every).tolist()  # host sync: none, host tensors of the private gloo group
+        if len(set(modes)) == 1:
+            return
+        text = {0: "no gradient (torch.no_grad() / inference)", 1: "gradient synchronised",
+                2: "gradient NOT synchronised (inside ddp.no_sync() / after set_requires_gradient_sync(False))"}
+        by_mode = "; ".join(f"{text[m]} on ranks {[self._sync_ranks[i] for i, x in enumerate(modes) if x == m]}"
+                            for m in sorted(set(modes)))
+        raise ValueError(f"moe_comm.parallel: the data-parallel wrapper's ranks run this forward with different "
+                         f"gradient-sync settings: {by_mode}. Every rank must accumulate (ddp.no_sync() / "
+                         f"model.set_requires_gradient_sync(False)) or synchronise together, and run its forwards "
+                         f"with grad enabled or disabled together; nothing was communicated, the next forward "
+                         f"with equal settings works")
 
     def _pre_forward(self, layer: MoELayer, args: tuple, kwargs: dict):
         if torch._C._current_graph_task_id() == -1 and self._pending:
@@ -167,13 +217,16 @@ class ExpertGradReducer:
             if p.grad is None:  # every rank reduces the same tensors
                 p.grad = torch.zeros_like(p)
         group = layer.dp_group if group_size(layer.dp_group) > 1 else None
+        if group is not None:
+            check_usable(group, group_rank(group))  # an earlier failure: raise now, issue nothing
         reductions = []
         for p in params:
             buf, work = p.grad, None
             if group is not None:
                 low = buf.dtype in (torch.bfloat16, torch.float16) and "gloo" in str(dist.get_backend(group))
                 buf = buf.float() if low else buf
-                work = dist.all_reduce(buf, group=group, async_op=True)
+                with issuing(group, "expert gradient all_reduce over the data-parallel group", group_rank(group)):
+                    work = dist.all_reduce(buf, group=group, async_op=True)
             reductions.append((p, buf, work))
         self._pending.append((layer, reductions))
         task = torch._C._current_graph_task_id()
@@ -205,7 +258,8 @@ def wrap_ddp(model: nn.Module, *, process_group: Optional[dist.ProcessGroup] = N
         **ddp_kwargs: passed to DistributedDataParallel (``device_ids``, ``bucket_cap_mb``, ...).
     Returns the DDP module. The expert parameters are ignored by DDP (not broadcast, not bucketed); an
     ``ExpertGradReducer`` (``ddp._moe_expert_reducer``) reduces their gradients over each layer's dp_group,
-    divided by N, at the end of every backward DDP synchronises (not under ``ddp.no_sync()``). Replicated
+    divided by N, at the end of every backward DDP synchronises (not under ``ddp.no_sync()``; every rank must
+    use ``no_sync()`` together: each forward checks it, see ``ExpertGradReducer``'s ``sync_group``). Replicated
     parameters are DDP's: broadcast from rank 0 now, gradients averaged over N. Training code is that of
     plain DDP: ``loss.backward(); optimizer.step()``.
     """
@@ -217,7 +271,7 @@ def wrap_ddp(model: nn.Module, *, process_group: Optional[dist.ProcessGroup] = N
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, sorted(known | set(ignored)))
     ddp = DistributedDataParallel(model, process_group=process_group, **ddp_kwargs)
     ddp._moe_expert_reducer = ExpertGradReducer(model, dist.get_world_size(ddp.process_group),
-                                                lambda: ddp.require_backward_grad_sync)
+                                                lambda: ddp.require_backward_grad_sync, sync_group=ddp.process_group)
     return ddp
 
 
@@ -244,7 +298,8 @@ def fully_shard_moe(model: nn.Module, mesh, *, blocks: Sequence[nn.Module] = (),
     Returns ``model`` (now an FSDPModule). The expert parameters are every unit's ``ignored_params``: not
     sharded (replicated over each DP group), their gradients reduced by an ``ExpertGradReducer``
     (``model._moe_expert_reducer``) over each layer's dp_group and divided by N, on the backwards FSDP2
-    synchronises. The other parameters become DTensors as usual; gradients averaged over N.
+    synchronises (every rank alike: each forward checks it, see ``ExpertGradReducer``'s ``sync_group``). The
+    other parameters become DTensors as usual; gradients averaged over N.
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -257,7 +312,7 @@ def fully_shard_moe(model: nn.Module, mesh, *, blocks: Sequence[nn.Module] = (),
     for block in blocks:
         fully_shard(block, mesh=mesh, ignored_params={p for p in block.parameters() if p in experts}, **fsdp_kwargs)
     fully_shard(model, mesh=mesh, ignored_params=experts, **fsdp_kwargs)
-    model._moe_expert_reducer = ExpertGradReducer(model, N, lambda: _fsdp_syncs(model))
+    model._moe_expert_reducer = ExpertGradReducer(model, N, lambda: _fsdp_syncs(model), sync_group=dist.group.WORLD)
     return model
 
 
@@ -286,12 +341,21 @@ def check_expert_replicas(model: nn.Module, group: Optional[dist.ProcessGroup] =
     distinct dp_group, then one ``agree`` over ``group`` spreads the verdict. Raises ValueError on every
     rank when two DP replicas differ, naming the layer, the weight and the (global) ranks holding each
     version; returns the number of layers checked. Opt-in: call it when you want (e.g. every 100 steps,
-    after ``optimizer.step()``); layers without data parallelism are skipped.
+    after ``optimizer.step()``); layers without data parallelism are skipped. Waits at most the layers'
+    ``timeout=`` for its peers (CollectiveError naming them); a group an earlier failure poisoned raises
+    CollectiveError at once ("rebuild the process group").
     """
+    group = group if group is not None else dist.group.WORLD
+    timeout = _timeout(model)
     layers = [(name, layer) for name, layer in moe_layers(model) if group_size(layer.dp_group) > 1]
     by_group: Dict[int, List[Tuple[str, MoELayer]]] = {}
     for name, layer in layers:
         by_group.setdefault(id(layer.dp_group), []).append((name, layer))
+    # A group poisoned by an earlier failure (a timed-out collective may still be pending on it): raise at
+    # once, before issuing anything; the ranks that go on wait at most ``timeout`` for this one.
+    check_usable(group, dist.get_rank(group))
+    for members in by_group.values():
+        check_usable(members[0][1].dp_group, group_rank(members[0][1].dp_group))
     problems: List[str] = []
     for members in by_group.values():
         dp = members[0][1].dp_group
@@ -302,7 +366,10 @@ def check_expert_replicas(model: nn.Module, group: Optional[dist.ProcessGroup] =
             rows.append(torch.cat(parts))
         local = torch.stack(rows)  # [layers, 8]
         every = [torch.empty_like(local) for _ in range(group_size(dp))]
-        dist.all_gather(every, local, group=dp)
+        phase = "check_expert_replicas checksum exchange over the data-parallel group"
+        with issuing(dp, phase, group_rank(dp)):
+            work = dist.all_gather(every, local, group=dp, async_op=True)
+        wait_work(work, phase, timeout=timeout, rank=group_rank(dp), what="all_gather", group=dp)
         ranks = dist.get_process_group_ranks(dp)
         table = torch.stack(every).cpu()  # host sync: the check reads the checksums
         for li, (name, layer) in enumerate(members):
@@ -317,5 +384,5 @@ def check_expert_replicas(model: nn.Module, group: Optional[dist.ProcessGroup] =
     error = ValueError("check_expert_replicas: data-parallel replicas of the experts differ: " + "; ".join(problems)
                        + " (were the expert gradients reduced over dp_group? moe_comm.parallel.wrap_ddp / "
                        "fully_shard_moe do it)") if problems else None
-    agree(group if group is not None else dist.group.WORLD, {}, what="check_expert_replicas", local_error=error)
+    agree(group, {}, what="check_expert_replicas", local_error=error, timeout=timeout)
     return len(layers)

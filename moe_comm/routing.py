@@ -2,7 +2,9 @@
 
 Shapes legend: T tokens, H hidden, E experts (global), K top-k, G expert groups, n = E / G experts per group.
 Logits are computed in ``cfg.router_dtype`` (default float32, float64 when x is float64) outside autocast;
-scores and weights come out in float32 (float64 when the logits are).
+scores and weights come out in float32 (float64 when the logits are). A bf16 / fp16 x is never copied whole
+into that dtype: cast in row blocks of _CAST_BYTES (or not at all with CUDA's mm out_dtype), and autograd
+keeps x in its own dtype.
 """
 from __future__ import annotations
 
@@ -147,30 +149,76 @@ def route(logits_TE: torch.Tensor, cfg: MoEConfig, expert_bias_E: torch.Tensor |
                         logits_TE=given_TE, token_mask_T=token_mask_T)
 
 
+# Bytes of one acc-dtype cast of x's rows in the router GEMMs: a bf16 x is cast (and multiplied) this many
+# bytes of rows at a time, never as a whole [T, H] float32 copy (twice x's own bytes). CPU torch has no
+# bf16 x bf16 -> float32 GEMM (aten::mm.dtype has no CPU kernel in torch 2.13; addmm / linear / mm(out=)
+# refuse mixed dtypes), so the rows are cast; on CUDA ``torch.mm(..., out_dtype=float32)`` needs no cast.
+_CAST_BYTES = 8 << 20
+
+
+def _mm_out_dtype(x_TH: torch.Tensor, w_EH: torch.Tensor, acc: torch.dtype) -> bool:
+    """Whether ``torch.mm(x, w.T, out_dtype=acc)`` computes the logits from the half-precision x and weight
+    as they are (float32 accumulation and output): CUDA builds with the ``aten::mm.dtype`` kernel."""
+    return (acc == torch.float32 and x_TH.dtype in (torch.bfloat16, torch.float16) and w_EH.dtype == x_TH.dtype
+            and x_TH.device.type == "cuda" and torch._C._dispatch_has_kernel_for_dispatch_key("aten::mm.dtype", "CUDA"))
+
+
+def _row_blocks(T: int, H: int, acc: torch.dtype):
+    """Row ranges (r0, r1) whose acc-dtype cast of H columns fits in _CAST_BYTES (one block when T fits)."""
+    rows = max(1, _CAST_BYTES // max(1, H * torch.finfo(acc).bits // 8))
+    return [(r0, min(T, r0 + rows)) for r0 in range(0, T, rows)] if T > rows else [(0, T)]
+
+
 class _RouterLogits(torch.autograd.Function):
-    """logits = x.to(acc) @ weight.to(acc).T, saving x and the weight in their own dtypes: the acc copy of
-    x that F.linear would keep (a bf16 x: 2x its bytes in float32) is cast again in backward instead.
-    Forward and gradients are bit-identical to autograd through ``F.linear(x.to(acc), w.to(acc))``: the
-    same GEMMs in the same layouts (mm's backward: g @ w, g.T @ x), then the casts' backward (to the
-    input dtype). Autocast is off in backward as in forward."""
+    """logits = x.to(acc) @ weight.to(acc).T, saving x and the weight in their own dtypes, and never holding a
+    whole acc-dtype copy of x: a lower-precision x is cast _CAST_BYTES of rows at a time (forward, and both
+    GEMMs of backward), or not at all where ``torch.mm(..., out_dtype=)`` takes it as it is (CUDA, x and
+    weight in one half dtype). Forward and gradients are bit-identical to autograd through
+    ``F.linear(x.to(acc), w.to(acc))`` while x fits in one block (the same GEMMs in the same layouts, then
+    the casts' backward); beyond, logits and x's gradient are computed row block by row block (rows are
+    independent) and the weight's gradient is accumulated over the blocks in acc. Autocast is off in
+    backward as in forward."""
 
     @staticmethod
     def forward(ctx, x_TH, w_EH, acc):
         ctx.acc = acc
         ctx.save_for_backward(x_TH, w_EH)
-        return F.linear(x_TH.to(acc), w_EH.to(acc))
+        if x_TH.dtype == acc:
+            return F.linear(x_TH, w_EH.to(acc))
+        x_NH = x_TH.reshape(-1, x_TH.shape[-1])
+        if _mm_out_dtype(x_NH, w_EH, acc):
+            return torch.mm(x_NH, w_EH.mT, out_dtype=acc).view(*x_TH.shape[:-1], w_EH.shape[0])
+        w_EH = w_EH.to(acc)
+        blocks = _row_blocks(*x_NH.shape, acc)
+        if len(blocks) == 1:
+            return F.linear(x_TH.to(acc), w_EH)
+        out_NE = x_NH.new_empty(x_NH.shape[0], w_EH.shape[0], dtype=acc)
+        for r0, r1 in blocks:
+            torch.mm(x_NH[r0:r1].to(acc), w_EH.mT, out=out_NE[r0:r1])
+        return out_NE.view(*x_TH.shape[:-1], w_EH.shape[0])
 
     @staticmethod
     def backward(ctx, g_TE):
         x_TH, w_EH = ctx.saved_tensors
         acc = ctx.acc
         gx = gw = None
+        x_NH, g_NE = x_TH.reshape(-1, x_TH.shape[-1]), g_TE.reshape(-1, g_TE.shape[-1])
+        blocks = [(0, x_NH.shape[0])] if x_TH.dtype == acc else _row_blocks(*x_NH.shape, acc)
         with _autocast_off(g_TE.device.type):
             if ctx.needs_input_grad[0]:
-                gx = (g_TE @ w_EH.to(acc)).to(x_TH.dtype)
+                w_acc = w_EH.to(acc)
+                if len(blocks) == 1:
+                    gx = (g_TE @ w_acc).to(x_TH.dtype)
+                else:  # each block's acc-dtype product is cast into x's dtype at once
+                    gx = torch.empty_like(x_NH)
+                    for r0, r1 in blocks:
+                        gx[r0:r1] = g_NE[r0:r1] @ w_acc
+                    gx = gx.view_as(x_TH)
             if ctx.needs_input_grad[1]:
-                g_NE = g_TE.reshape(-1, g_TE.shape[-1])
-                gw = (g_NE.mT @ x_TH.reshape(-1, x_TH.shape[-1]).to(acc)).to(w_EH.dtype)
+                gw = g_NE[:blocks[0][1]].mT @ x_NH[:blocks[0][1]].to(acc)
+                for r0, r1 in blocks[1:]:
+                    gw.addmm_(g_NE[r0:r1].mT, x_NH[r0:r1].to(acc))
+                gw = gw.to(w_EH.dtype)
         return gx, gw, None
 
 

@@ -11,6 +11,7 @@ import contextlib
 import datetime
 import os
 import threading
+import weakref
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -18,7 +19,7 @@ import torch.distributed as dist
 
 __all__ = ["resolve_group", "group_size", "group_rank", "group_device", "all_to_all_v", "all_to_all_v_async",
            "exchange_counts", "exchange_counts_async", "issue_segments", "CollectiveError", "wait_work", "poison",
-           "check_usable", "record_arrival", "arrivals", "REBUILD", "issuing"]
+           "check_usable", "record_arrival", "arrivals", "REBUILD", "issuing", "GroupTable"]
 
 
 REBUILD = ("the process group can no longer be trusted: rebuild it (dist.destroy_process_group(), "
@@ -30,25 +31,59 @@ class CollectiveError(RuntimeError):
     one; names the phase, the chunk and, when known, the peers that did not arrive."""
 
 
-# Groups on which a collective failed or timed out (group name -> what happened). Work issued on such a
-# group may still be pending in the backend (gloo pairs collectives by order), so nothing more is issued.
-_POISONED: Dict[str, str] = {}
+class GroupTable:
+    """A value per process group OBJECT, not per group name: ``destroy_process_group`` resets torch's group
+    counter, so the groups built after it reuse the names "0", "1", ... of the destroyed ones. Keyed by a
+    weak reference (a destroyed group's entry goes with it); ``None`` (one process) is a key too."""
+
+    def __init__(self):
+        self._weak: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self._other: Dict[object, object] = {}
+
+    def _table(self, group):
+        if group is None:
+            return self._other, None
+        try:
+            weakref.ref(group)
+        except TypeError:  # an object without weak references: by identity, kept alive by the table
+            return self._other, group
+        return self._weak, group
+
+    def get(self, group, default=None):
+        table, key = self._table(group)
+        return table.get(key, default)
+
+    def setdefault(self, group, value):
+        table, key = self._table(group)
+        return table.setdefault(key, value)
+
+    def __setitem__(self, group, value) -> None:
+        table, key = self._table(group)
+        table[key] = value
+
+
+# Groups on which a collective failed or timed out (group -> what happened). Work issued on such a group may
+# still be pending in the backend (gloo pairs collectives by order), so nothing more is issued on it. A
+# group rebuilt after ``destroy_process_group`` is a new object: it starts usable.
+_POISONED = GroupTable()
 
 
 def _group_key(group: Optional[dist.ProcessGroup]) -> str:
+    """The group's name (the same on every rank; for store keys and messages)."""
     if group is None:
         return "<single process>"
     return getattr(group, "group_name", None) or str(id(group))
 
 
 def poison(group: Optional[dist.ProcessGroup], reason: str) -> None:
-    """Mark ``group`` unusable for moe_comm: every later call on it raises CollectiveError at once."""
-    _POISONED.setdefault(_group_key(group), reason)
+    """Mark ``group`` unusable for moe_comm: every later call on it raises CollectiveError at once (until the
+    process group is rebuilt: a new group object is usable)."""
+    _POISONED.setdefault(group, reason)
 
 
 def check_usable(group: Optional[dist.ProcessGroup], rank: int = 0) -> None:
     """Raise CollectiveError when an earlier collective on ``group`` failed (see ``poison``)."""
-    reason = _POISONED.get(_group_key(group))
+    reason = _POISONED.get(group)
     if reason is not None:
         raise CollectiveError(f"moe_comm: EP rank {rank}: an earlier collective on this group failed ({reason}); "
                               f"{REBUILD}")

@@ -260,6 +260,10 @@ class Dispatcher:
                     extra_check()
                 if self.world_size == 1 and self.timeline.device != x_TH.device:
                     self.timeline.device = x_TH.device  # no group to say where the work runs: the rows do
+                if self.channel.device.type == x_TH.device.type == "cuda" and self.channel.device != x_TH.device:
+                    # NCCL: the exchanges go on this rank's own device, which the rows name (a Dispatcher built
+                    # before torch.cuda.set_device(local_rank) took cuda:0's)
+                    self.channel.device = self.auto.device = x_TH.device
                 with self.timeline.compute("layout"):
                     make = ops.make_rank_rows if rank_rows else ops.make_layout
                     layout = make(topk_idx_TK, self.num_experts, num_ranks=self.world_size,
