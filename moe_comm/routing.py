@@ -153,6 +153,8 @@ def route(logits_TE: torch.Tensor, cfg: MoEConfig, expert_bias_E: torch.Tensor |
 # bytes of rows at a time, never as a whole [T, H] float32 copy (twice x's own bytes). CPU torch has no
 # bf16 x bf16 -> float32 GEMM (aten::mm.dtype has no CPU kernel in torch 2.13; addmm / linear / mm(out=)
 # refuse mixed dtypes), so the rows are cast; on CUDA ``torch.mm(..., out_dtype=float32)`` needs no cast.
+# Measured (CPU, 1 thread, T=4096 H=2048 E=64, bf16 x, fp32 weight, forward + backward, 9 interleaved runs):
+# 46 ms median in 4 blocks vs 56 ms for autograd through F.linear(x.float(), w), three 32 MiB copies fewer.
 _CAST_BYTES = 8 << 20
 
 

@@ -1,7 +1,8 @@
 """Row kernels behind ``moe_comm.ops``: permutation and FP8 row quantization.
 
 Every backend implements the same launchers with the same semantics (see ``reference.py``):
-``permute_rows``, ``unpermute_rows``, ``unpermute_weight_grad``, ``quantize_rows`` and ``dequantize_rows``
+``permute_rows``, ``unpermute_rows``, ``unpermute_weight_grad``, ``unpermute_backward`` (both gradients of
+``unpermute_rows`` in one pass per token), ``quantize_rows`` and ``dequantize_rows``
 (the FP8 packed-row layout and ``packed_width`` live in ``reference.py`` only, shared by all).
   reference.py   pure torch; the test oracle and the fallback
   native.py      loader of the C++ CPU kernels in csrc/ (JIT-built, cached)
