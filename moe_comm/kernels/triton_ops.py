@@ -171,6 +171,8 @@ if triton is not None:
         valid = rows >= 0  # dropped slots load and store nothing
         if HAS_WEIGHT:
             w = tl.load(weight_ptr + t * K + ks, mask=in_k & valid, other=0.0).to(ACC)
+        else:
+            w = tl.full([BLOCK_K], 1.0, ACC)  # unused: the rows are copied
         dots = tl.zeros([BLOCK_K, BLOCK_H], dtype=ACC)
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
@@ -288,7 +290,10 @@ if triton is not None:
             b = tl.where(e == 255, 255, b)  # r inf or NaN
             s_bits = (b << 23) | tl.where(b == 255, 0x400000, 0).to(tl.uint32)
             tl.store(row + S0 + j, b.to(tl.uint8), mask=valid)
+            # the top scale: 240 keeps q * s finite in x's dtype (reference.py)
+            lim = tl.broadcast_to(tl.where(b >= TOP_CODE, 240.0, 448.0)[:, None], [BLOCKS, GROUP])
         else:
+            lim = tl.full([BLOCKS, GROUP], 448.0, tl.float32)
             s_bits = tl.where(rb == 0, 0x3F800000, rb)  # r == 0 -> s = 1.0
             s_bits = tl.where(amax_bits == 0x7FC00000, 0x7FC00000, s_bits)
             k = tl.arange(0, 4)
@@ -296,10 +301,6 @@ if triton is not None:
             tl.store(row[:, None] + S0 + j[:, None] * 4 + k[None, :], s_bytes, mask=valid[:, None] & (k[None, :] < 4))
         s = tl.broadcast_to(s_bits.to(tl.float32, bitcast=True)[:, None], [BLOCKS, GROUP])
         y = tl.math.div_rn(x, s)
-        if UE8M0:  # the top scale: 240 keeps q * s finite in x's dtype (reference.py)
-            lim = tl.broadcast_to(tl.where(b >= TOP_CODE, 240.0, 448.0)[:, None], [BLOCKS, GROUP])
-        else:
-            lim = tl.full([BLOCKS, GROUP], 448.0, tl.float32)
         y = tl.where(y > lim, lim, tl.where(y < -lim, -lim, y))  # comparisons keep NaN
         tl.store(row[:, None] + cols, _e4m3_from_f32(y), mask=mask)
         p = tl.arange(0, 4)[None, :]
