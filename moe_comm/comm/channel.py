@@ -10,7 +10,7 @@ the same error on every rank when anything disagrees or failed. See ``moe_comm.c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -78,6 +78,11 @@ class Channel:
         # A failure on this rank after a phase's closing exchange (the final unpermute, a placeholder-rows
         # path): raised here alone, and carried by this rank's next exchange so that every rank raises there.
         self.late: Optional[str] = None
+        # Sync-free mode (every exchange deferred): a read that finds this rank's forward paired with a peer's
+        # backward (this rank skipped a backward its peers ran, so its collectives lag theirs by one phase) calls
+        # ``resync`` to issue a placeholder backward, so every rank's collectives pair again. Set by the owner.
+        self.resync: Optional[Callable[[], None]] = None
+        self._owed = False
 
     def carry(self, error: BaseException, where: str) -> None:
         """Send ``error`` (raised on this rank alone in ``where``) with this rank's next exchange."""
@@ -129,7 +134,17 @@ class Channel:
         in the same host read. ``pending`` None: only the deferred ones."""
         taken = self._take(pending)
         values = torch.cat(taken[2]).tolist() if taken[2] else []  # host sync: the phase's one read
-        return self._verify(taken, values)
+        try:
+            return self._verify(taken, values)
+        finally:
+            self.settle()
+
+    def settle(self) -> None:
+        """Issue the placeholder backward a read found owed (see ``resync``)."""
+        if self._owed and self.resync is not None:
+            self._owed = False
+            self.resync()
+        self._owed = False
 
     def _take(self, pending: Optional[Pending]):
         """Everything the next read checks: (pending, deferred ones, flat tensors, folded flag)."""
@@ -236,6 +251,9 @@ class Channel:
         if len(at) > 1:
             # Every rank saw the same rows: all resynchronise on the furthest call, so the next call can work.
             self.call = max(row[Word.CALL] for row in rows) + 1
+            ahead = (Phase.FORWARD, Phase.FORWARD_END)
+            self._owed = rows[rank][Word.PHASE] in ahead and any(
+                row[Word.PHASE] in (Phase.BACKWARD, Phase.BACKWARD_END) for row in rows)
             failed = [r for r, row in enumerate(rows) if row[Word.FAILED] != Failure.NONE]
             msg = HEADER_WORDS, HEADER_WORDS + MESSAGE_WORDS
             why = "".join(f" EP rank {r} reported: {decode_message(rows[r][msg[0]:msg[1]])}." for r in failed)
@@ -315,10 +333,18 @@ def read_deferred(channels: List["Channel"]) -> None:
         for x in t[2]:
             by_device.setdefault(x.device, []).append(x)
     values = {dev: torch.cat(xs).tolist() for dev, xs in by_device.items()}  # host sync: one read per device
-    for c, t in zip(channels, taken):
+    first = None
+    for c, t in zip(channels, taken):  # every channel is read (each may owe a placeholder backward) ...
         if not t[2]:
             continue
         vals = values[t[2][0].device]
         n = sum(x.numel() for x in t[2])
-        c._verify(t, vals[:n])
+        try:
+            c._verify(t, vals[:n])
+        except Exception as err:  # noqa: BLE001 - the first is raised below, on every rank alike
+            first = first or err
         del vals[:n]
+    for c in channels:  # ... then the placeholders go out in channel order, as the peers' phases were issued
+        c.settle()
+    if first is not None:
+        raise first

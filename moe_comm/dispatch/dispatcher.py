@@ -199,6 +199,10 @@ class Dispatcher:
         # "combine_logical", "combine_wire" (see _record_bytes); empty before the first call
         self.last_bytes = {}
         self._stream = False  # one copy per rank: the next C = 1 call moves its rows in pieces (send_rows.pieces)
+        if self.sync_free:  # a read that finds this rank skipped a backward issues a placeholder one
+            from moe_comm.dispatch.sync_free import placeholder_backward
+
+            self.channel.resync = lambda: placeholder_backward(self)
 
     # ---------------------------------------------------------------- properties
     @property

@@ -9,14 +9,14 @@ from __future__ import annotations
 import torch
 
 from moe_comm import ops
-from moe_comm.comm.wire import HEADER_WORDS, MESSAGE_WORDS, Phase
+from moe_comm.comm.wire import HEADER_WORDS, MESSAGE_WORDS, Failure, Phase
 from moe_comm.dispatch.dispatcher import check_call_args
 from moe_comm.dispatch.pipeline import run_pipeline
 from moe_comm.dispatch.plan import ChunkPlan, DispatchHandle, layout_device, padded_expert_major_index, to_device
 from moe_comm.dispatch.transport import AllToAll, Local
 from moe_comm.kernels import select_backend
 
-__all__ = ["call_sync_free"]
+__all__ = ["call_sync_free", "placeholder_backward"]
 
 
 def call_sync_free(d, x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn, local_error=None):
@@ -117,3 +117,30 @@ def _send_rows(d, x_TH: torch.Tensor, layout):
     if layout.valid_N is not None:  # padding rows: zero bytes decode to 0
         q_NB.masked_fill_(~layout.valid_N[:, None], 0)
     return x_TH, q_NB
+
+
+def placeholder_backward(d) -> None:
+    """The collectives of one backward of Dispatcher ``d`` with zero rows and a failure flag: issued by a rank that
+    skipped a backward its peers ran (found at a read, ``Channel.resync``), so that its collectives pair with its
+    peers' again. Each phase of the sync-free mode is four collectives of fixed sizes (control, rows each way,
+    control), so one placeholder phase realigns them; the peers' reads of these rows raise (they see a
+    backward where their forward was), and every rank continues from the next call."""
+    if d._agreed is None or d.world_size == 1:
+        return
+    H, dtype, K = d._agreed
+    W, e, P = d.world_size, d.num_local_experts, d.max_tokens_per_rank * K
+    call = d.channel.call
+    note = RuntimeError(f"EP rank {d.rank} skipped a backward its peers ran (sync-free mode); moe_comm issued a "
+                        "placeholder backward to pair its collectives with theirs again")
+    plan = ChunkPlan(chunk=0, call=call, send_We=[[P] + [0] * (e - 1)] * W, recv_We=[[P] + [0] * (e - 1)] * W,
+                     row_offset=0, tokens_per_expert_e=torch.zeros(e, dtype=torch.int64), counts_e=None)
+    transport = d.transport(AllToAll)
+    device = d.timeline.device
+    rows = torch.zeros(W * P, H, dtype=dtype, device=device)
+    for phase in (Phase.BACKWARD, None, Phase.BACKWARD_END):
+        if phase is None:
+            back = transport.to_experts(rows, plan, phase="combine", direction="bwd").wait()
+            transport.to_tokens(back, plan, torch.empty_like(rows), phase="dispatch", direction="bwd").wait()
+            continue
+        hdr = d._header(phase, call, 1)
+        d.channel.wait(d.channel.begin(phase, hdr, local_error=note, failed=Failure.RAISED))
