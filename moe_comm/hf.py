@@ -167,13 +167,6 @@ def _read_block(block: nn.Module, fam: _Family, who: str) -> Tuple[dict, dict]:
     return cfg, tensors
 
 
-def _timeout_option(options: dict) -> Optional[float]:
-    """The ``timeout`` option when it is a valid one (seconds > 0), else None (the process group's)."""
-    t = options.get("timeout")
-    ok = isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0
-    return float(t) if ok else None
-
-
 def _agree_grid(ep_group, what: str, values: dict, error: Optional[BaseException], options: dict, who: str) -> None:
     """Collective: ``agree`` on ``values`` over the EP group, then the DP group of a 2-D mesh (as ``MoELayer``
     does), carrying this rank's ``error``. A rank whose own checks failed thus takes part in the agreement
@@ -182,7 +175,7 @@ def _agree_grid(ep_group, what: str, values: dict, error: Optional[BaseException
     dp = None
     if getattr(ep_group, "ndim", 1) == 2 and hasattr(ep_group, "mesh_dim_names"):
         dp = resolve_group(ep_group, dim="dp", name=f"{who}: ep_group")
-    agree_ep_dp(ep, dp, values, what=what, local_error=error, timeout=_timeout_option(options))
+    agree_ep_dp(ep, dp, values, what=what, local_error=error, timeout=options.get("timeout"))
 
 
 def _split_options(options: dict, who: str) -> Tuple[Optional[str], dict, dict]:

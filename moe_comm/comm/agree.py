@@ -12,6 +12,7 @@ different things in the same exchange (a MoELayer on one rank, a Dispatcher on a
 """
 from __future__ import annotations
 
+import math
 import pickle
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -120,7 +121,9 @@ def agree(group: Optional[dist.ProcessGroup], values: Dict[str, Any], *, what: s
     - the others raise ``RemoteError`` naming the failing ranks and their messages;
     - a field that differs: ``ValueError`` naming the field and which ranks hold which value.
 
-    timeout: seconds to wait for the other ranks (None: the process group's own timeout). A rank that does
+    timeout: seconds to wait for the other ranks (None: the process group's own timeout). A value that is not
+    a finite number > 0 counts as None, so that callers pass their own ``timeout=`` argument as given (they
+    reject a bad one in their local checks: it travels as their ``local_error``). A rank that does
     not arrive in time (stalled, dead, or raised before reaching its agreement) makes the waiting ranks
     raise ``CollectiveError`` naming it; the group is then poisoned (rebuild it). A poisoned group raises
     ``CollectiveError`` at once. Exchange: two async ``all_gather``s of pickled payloads on the group's
@@ -129,6 +132,9 @@ def agree(group: Optional[dist.ProcessGroup], values: Dict[str, Any], *, what: s
     """
     number = agreements(group)
     _COUNTS[group] = number + 1
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
+            or timeout <= 0:
+        timeout = None
     if group is None or dist.get_world_size(group) == 1:
         if local_error is not None:
             raise local_error
