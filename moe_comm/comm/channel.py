@@ -64,11 +64,13 @@ class Channel:
         timeout: seconds to wait for an exchange (None: the process group's timeout).
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup], index: int, slots: int, timeout: Optional[float]):
+    def __init__(self, group: Optional[dist.ProcessGroup], index: int, slots: int, timeout: Optional[float],
+                 summed: int = 0):
         self.group, self.index, self.slots, self.timeout = group, index, slots, timeout
         self.world, self.rank = group_size(group), group_rank(group)
         self.device = group_device(group)
-        self.width = HEADER_WORDS + MESSAGE_WORDS + slots
+        self.summed = summed  # float64 words at the end of a row, summed over the group at the receiver
+        self.width = HEADER_WORDS + MESSAGE_WORDS + slots + summed
         self.call = 0  # advanced by the Dispatcher once per call, identically on every rank
         self.timeline = None  # the owner's Timeline: exchanges are comm spans "counts" / "control"
         self.deferred: List[Pending] = []  # exchanges read with the next one (end_check="deferred", sync-free mode)
@@ -91,7 +93,7 @@ class Channel:
 
     def begin(self, phase: Phase, hdr: List[int], *, dynamic: Optional[torch.Tensor] = None,
               slots_WS: Optional[torch.Tensor] = None, local_error: Optional[BaseException] = None,
-              failed: Failure = Failure.NONE) -> Pending:
+              failed: Failure = Failure.NONE, summed_X: Optional[torch.Tensor] = None) -> Pending:
         """Issue the exchange. hdr: ``wire.header(...)`` (host ints); dynamic: optional int64 [3] device tensor
         (BAD_IDS, NONFINITE, ROWS) computed on the device; slots_WS: optional [W, <=S] int64 per-destination
         counts; local_error / failed: this rank's failure, sent to every peer with its message."""
@@ -117,6 +119,8 @@ class Channel:
             send_WX[:, Word.BAD_IDS:Word.ROWS + 1] = dynamic.to(dev, torch.int64)
         if slots_WS is not None and slots_WS.shape[1]:
             send_WX[:, HEADER_WORDS + MESSAGE_WORDS:HEADER_WORDS + MESSAGE_WORDS + slots_WS.shape[1]] = slots_WS
+        if summed_X is not None:  # the same words to every rank, as int64 bits
+            send_WX[:, self.width - self.summed:] = summed_X.to(dev, torch.float64).contiguous().view(torch.int64)
         where = f"{PHASE_TEXT[phase]} of call {hdr[Word.CALL]} (dispatcher {self.index})"
         pending_start = self.timeline.mark() if self.timeline is not None else None
         if W == 1:
@@ -192,6 +196,12 @@ class Channel:
                     self.call = max([self.call] + [row[Word.CALL] for row in last])
                 raise
         return sent, rows
+
+    def sum_of(self, pending: Pending) -> torch.Tensor:
+        """[summed] float64: the ``summed_X`` every rank sent in exchange ``pending``, summed over the group (a rank
+        that sent none counts zeros). Device ops after the exchange completed (``wait``): no host read."""
+        self.wait(pending)
+        return pending.recv_WX[:, self.width - self.summed:].contiguous().view(torch.float64).sum(0)
 
     def wait(self, pending: Pending) -> None:
         """Wait for the exchange without reading it (on NCCL the compute stream waits: no host sync)."""

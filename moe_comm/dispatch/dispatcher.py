@@ -112,6 +112,9 @@ class Dispatcher:
             gradient passes the quantization straight through. Also applies to ``dispatch()`` (it returns
             dequantized rows in x's dtype) and the sync-free mode.
         dispatch_scales: "fp32" (default) or "ue8m0" (power-of-two scales, one byte each) for FP8 dispatch.
+        summed_words: float64 words a sync-free call may add to its control exchange (``__call__``'s
+            ``summed_X``), summed over the EP group there into ``last_sum``: statistics that then need no
+            collective of their own (MoELayer's load counts in the sync-free mode). Default 0.
 
     Construction is collective when W > 1: every rank must build its Dispatchers on a group in the same
     order with the same E, max_chunks, strict and direct_min_bytes (checked: every rank raises naming
@@ -124,7 +127,7 @@ class Dispatcher:
                  direct_min_bytes: Optional[int] = None, max_chunks: Optional[int] = None,
                  end_check: Optional[str] = None, allow_single_process: bool = False,
                  max_tokens_per_rank: Optional[int] = None, dedup: bool = False,
-                 dispatch_dtype: Optional[torch.dtype] = None, dispatch_scales: str = "fp32"):
+                 dispatch_dtype: Optional[torch.dtype] = None, dispatch_scales: str = "fp32", summed_words: int = 0):
         self.group = resolve_group(ep_group, name="Dispatcher: ep_group", allow_single_process=allow_single_process)
         self.world_size = group_size(self.group)
         self.rank = group_rank(self.group)
@@ -160,6 +163,7 @@ class Dispatcher:
                 raise ValueError(f"Dispatcher: dispatch_dtype must be None or one of {DISPATCH_DTYPES}, got "
                                  f"{dispatch_dtype!r}")
             check_choice("Dispatcher: dispatch_scales", dispatch_scales, ("fp32", "ue8m0"))
+            check_int("Dispatcher: summed_words", summed_words, 0, high=1 << 16)
         except (TypeError, ValueError) as err:
             local_error = err
             max_chunks = max_chunks if isinstance(max_chunks, int) else MAX_CHUNKS
@@ -174,7 +178,8 @@ class Dispatcher:
             max_tokens_per_rank = -1  # rejected above; a comparable value for the agreement
         settings = dict(index=self.index, num_experts=num_experts, max_chunks=max_chunks, strict=bool(strict),
                         direct_min_bytes=direct_min_bytes, end_check=end_check, max_tokens_per_rank=max_tokens_per_rank,
-                        dedup=dedup is True, dispatch_dtype=str(dispatch_dtype), dispatch_scales=str(dispatch_scales))
+                        dedup=dedup is True, dispatch_dtype=str(dispatch_dtype), dispatch_scales=str(dispatch_scales),
+                        summed_words=summed_words)
         agree(self.group, settings, what="Dispatcher", local_error=local_error)
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.world_size
@@ -185,7 +190,10 @@ class Dispatcher:
         self.dedup = dedup is True
         self.dispatch_dtype, self.dispatch_scales = dispatch_dtype, dispatch_scales
         # counts area: slots per (chunk, local expert), then with dedup the rows per chunk
-        self.channel = Channel(self.group, self.index, max_chunks * (self.num_local_experts + self.dedup), timeout)
+        self.summed_words = summed_words
+        self.channel = Channel(self.group, self.index, max_chunks * (self.num_local_experts + self.dedup), timeout,
+                               summed=summed_words)
+        self.last_sum: Optional[torch.Tensor] = None  # the last call's summed words (see summed_words)
         self._transports = {}
         # Disabled: records nothing until enabled. On CUDA its spans are CUDA events on the working streams
         # (NCCL's Work completes at enqueue, so host clocks would read ~0 for comm).
@@ -249,7 +257,7 @@ class Dispatcher:
         check_int("num_chunks", C, 1, high=self.max_chunks)
 
     def _open(self, phase: Phase, x_TH, topk_idx_TK, C, local_error=None, extra_check=None, rank_rows=False,
-              pieces: int = 1):
+              pieces: int = 1, summed_X=None):
         """Check the inputs, build the layout and issue the call's control exchange (header, counts).
         A rank whose input is rejected still joins the exchange with zero counts and its error, so every
         rank raises instead of the others hanging. Returns (pending, layout or None); with ``rank_rows``
@@ -293,7 +301,7 @@ class Dispatcher:
             dynamic = torch.stack([layout.num_invalid, nonfinite, layout.counts_CWe.sum()])
         top_k = topk_idx_TK.shape[1] if self.sync_free else -1  # sync-free rows are sized by K: agreed
         pending = self.channel.begin(phase, self._header(phase, call, C * pieces, row_bytes, dtype_code(x_TH.dtype),
-                                                         top_k), dynamic=dynamic, slots_WS=slots_WS)
+                                                         top_k), dynamic=dynamic, slots_WS=slots_WS, summed_X=summed_X)
         return pending, layout
 
     def _close(self, pending, layout, C: int, hidden: int, pieces: int = 1, expert_fn=None) -> DispatchHandle:
@@ -518,7 +526,7 @@ class Dispatcher:
     @_graph_break
     def __call__(self, x_TH: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor,
                  expert_fn: Callable[..., torch.Tensor], *, num_chunks: Optional[int] = None,
-                 side_fn: Optional[Callable[[], torch.Tensor]] = None):
+                 side_fn: Optional[Callable[[], torch.Tensor]] = None, summed_X: Optional[torch.Tensor] = None):
         """dispatch -> expert_fn -> combine, pipelined over C chunks (see ``moe_comm.dispatch.pipeline``).
 
         Args:
@@ -534,6 +542,8 @@ class Dispatcher:
                 mismatch raises on every rank).
             side_fn: optional work run while the first dispatch is in flight (shared experts); when
                 given, the call returns ``(y_TH, side_fn())``.
+            summed_X: sync-free mode with ``summed_words``: [summed_words] float64 on the rows' device, summed
+                over the EP group inside the control exchange into ``last_sum`` (no collective of its own).
         Returns: y_TH [T, H], equal for every C (chunking only changes when rows move). An exception in
         expert_fn or side_fn on any rank raises on every rank (``PeerFailed`` on the others), after the
         call's remaining exchanges completed: with end_check="eager" no rank returns a value from a failed
@@ -553,7 +563,7 @@ class Dispatcher:
             if num_chunks not in (None, 1):
                 raise ValueError(f"num_chunks must be 1 (or None) in sync-free mode (max_tokens_per_rank), "
                                  f"got {num_chunks!r}")
-            return self._call_sync_free(x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn)
+            return self._call_sync_free(x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn, summed_X=summed_X)
         C, measure, trial = self.num_chunks if num_chunks is None else num_chunks, False, False
         if C == "auto":
             C, measure, trial = self.auto.step()
@@ -627,10 +637,10 @@ class Dispatcher:
                              f"{self.max_tokens_per_rank}): it sizes its rows from counts read on the host; use "
                              "the pipelined call (Dispatcher.__call__ / MoELayer)")
 
-    def _call_sync_free(self, x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn, local_error=None):
+    def _call_sync_free(self, x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn, local_error=None, summed_X=None):
         from moe_comm.dispatch.sync_free import call_sync_free
 
-        return call_sync_free(self, x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn, local_error)
+        return call_sync_free(self, x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn, local_error, summed_X)
 
 
 def _exact_float32(topk_weight_TK):

@@ -19,7 +19,7 @@ from moe_comm.kernels import select_backend
 __all__ = ["call_sync_free", "placeholder_backward"]
 
 
-def call_sync_free(d, x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn, local_error=None):
+def call_sync_free(d, x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn, local_error=None, summed_X=None):
     """``__call__`` with fixed-size exchanges (see ``max_tokens_per_rank``). Token path: make_layout ->
     control exchange issued (counts, header) -> pad_layout: rows for rank w at [w*P, w*P + count), P = M*K
     -> permute into W*P rows -> the pipeline (C = 1) moves all W*P rows each way; the receiver regroups them
@@ -37,7 +37,8 @@ def call_sync_free(d, x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn, loc
             raise ValueError(f"sync-free mode: (H, dtype, top_k) must stay as in the first call, {agreed}, got "
                              f"{now_}; build another Dispatcher for another shape")
 
-    pending, layout = d._open(Phase.FORWARD, x_TH, topk_idx_TK, 1, local_error=local_error, extra_check=extra_check)
+    pending, layout = d._open(Phase.FORWARD, x_TH, topk_idx_TK, 1, local_error=local_error, extra_check=extra_check,
+                              summed_X=summed_X if d.summed_words else None)
     if layout is None and (W == 1 or agreed is None):
         d.channel.end(pending)  # raises on every rank
     if W > 1 and agreed is None:
@@ -45,6 +46,8 @@ def call_sync_free(d, x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn, loc
     elif W > 1:
         d.channel.wait(pending)  # the counts below are used on the device (NCCL: a stream wait)
         d.channel.defer(pending)
+    if d.summed_words:  # every rank's words, summed on the device: the statistics' one reduction
+        d.last_sum = d.channel.sum_of(pending)
     if layout is not None:
         d._agreed = (x_TH.shape[1], x_TH.dtype, topk_idx_TK.shape[1])
     H, dtype, K = d._agreed

@@ -30,7 +30,7 @@ from moe_comm.modules.checkpoint import ExpertKeyPath, dcp_fqn_modifiers
 from moe_comm.modules.experts import GroupedExperts, PlacedExperts, SwiGLU, _init_expert_
 from moe_comm._recompute import checkpoint_mode, forget_bias, in_backward, input_key
 from moe_comm.modules.wrappers import data_parallel_error
-from moe_comm.monitor.load import GlobalCounts, LoadMonitor, reduce_counts
+from moe_comm.monitor.load import GlobalCounts, LoadMonitor, load_payload, reduce_counts
 from moe_comm.placement.apply import physical_topk, relayout_slots, replica_tables, sync_replica_grads
 from moe_comm.placement.planner import Placement, plan_placement
 from moe_comm.routing import Router, count_tokens
@@ -212,11 +212,17 @@ class MoELayer(nn.Module):
             local_error = err
         _agree_ep_dp(self.ep_group, self.dp_group, settings, local_error)
         # After the agreement, so that every rank gets here: the Dispatcher's own agreement is collective.
+        # Sync-free mode: the load statistics travel in the forward's control exchange (no all_reduce of their
+        # own), so every phase is the same four fixed-size collectives: a rank that skipped a backward can be
+        # realigned (``sync_free.placeholder_backward``) instead of pairing an all_reduce with an all-to-all.
+        counts_in_exchange = (cfg.max_tokens_per_rank is not None and W > 1 and local_error is None
+                              and (self.monitor is not None or self.bias_update_rate > 0))
         self.dispatcher = Dispatcher(cfg.num_experts, self.ep_group, cfg.num_chunks, backend=backend,
                                      strict=strict, timeout=timeout, end_check=end_check,
                                      allow_single_process=allow_single_process,
                                      max_tokens_per_rank=cfg.max_tokens_per_rank, dedup=cfg.dedup,
-                                     dispatch_dtype=cfg.dispatch_dtype, dispatch_scales=cfg.dispatch_scales)
+                                     dispatch_dtype=cfg.dispatch_dtype, dispatch_scales=cfg.dispatch_scales,
+                                     summed_words=2 * cfg.num_experts + 2 if counts_in_exchange else 0)
         self.timeline.device = self.experts.w1.device  # the experts' work runs there, whatever the group's device
         if not self.experts.w1.is_meta:  # meta: reset_parameters() after to_empty() makes them equal
             self._broadcast_replicated()
@@ -393,15 +399,25 @@ class MoELayer(nn.Module):
         update_bias = self.training and self.bias_update_rate > 0
         if self.monitor is None and not update_bias:
             return
+        group = self.ep_group if self.world_size > 1 else None
+        dp_group = self.dp_group if group_size(self.dp_group) > 1 else None
+        timeout = self.dispatcher.timeout
+        if self.dispatcher.summed_words:  # summed over EP in the forward's exchange (a failed rank sent zeros)
+            sum_X = self.dispatcher.last_sum.clone()
+            if self.monitor is not None:
+                handle = self.monitor.record(sum_X, None, dp_group, timeout=timeout, rank=group_rank(self.ep_group))
+            else:
+                handle = reduce_counts(sum_X[:self.cfg.num_experts], None, dp_group=dp_group, timeout=timeout,
+                                       phase="bias update (global expert load)")
+            if update_bias:
+                self._pending_load = handle
+            return
         if routing is None:  # this rank failed alone: zero counts keep the collective paired with the peers'
             counts_E = torch.zeros(self.cfg.num_experts, dtype=torch.int64, device=self.experts.w1.device)
             dropped, scores = 0, None
         else:
             counts_E, dropped = count_tokens(routing.topk_idx_TK, self.cfg.num_experts, routing.token_mask_T)
             scores = routing.scores_TE
-        group = self.ep_group if self.world_size > 1 else None
-        dp_group = self.dp_group if group_size(self.dp_group) > 1 else None
-        timeout = self.dispatcher.timeout
         if self.monitor is not None:
             handle = self.monitor.observe(counts_E, dropped, scores, group=group, dp_group=dp_group,
                                           timeout=timeout)
@@ -410,6 +426,12 @@ class MoELayer(nn.Module):
                                    phase="bias update (global expert load)")
         if update_bias:
             self._pending_load = handle
+
+    def _load_payload(self, routing) -> torch.Tensor:
+        """This rank's load statistics of a forward as the [2E + 2] float64 words its exchange sums (counts, dropped
+        slots, probability sums, tokens: ``LoadMonitor.payload``)."""
+        counts_E, dropped = count_tokens(routing.topk_idx_TK, self.cfg.num_experts, routing.token_mask_T)
+        return load_payload(counts_E, dropped, routing.scores_TE if self.monitor is not None else None)
 
     # ------------------------------------------------------------------------------------ placement
     def apply_placement(self, placement: Placement, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
@@ -578,11 +600,12 @@ class MoELayer(nn.Module):
             return torch.zeros(x.shape, dtype=self.experts.w1.dtype, device=self.experts.w1.device) + anchor, None
         if not recompute:
             self.aux_loss = routing.aux_loss
+        summed_X = self._load_payload(routing) if self.dispatcher.summed_words and not recompute else None
         if self.shared_experts is None:
-            y_TH = self.dispatcher(x_TH, route_TK, routing.topk_weight_TK, self.experts)
+            y_TH = self.dispatcher(x_TH, route_TK, routing.topk_weight_TK, self.experts, summed_X=summed_X)
         else:  # shared experts compute while the first dispatch is in flight
             y_TH, shared_TH = self.dispatcher(x_TH, route_TK, routing.topk_weight_TK, self.experts,
-                                              side_fn=lambda: self._shared(x_TH))
+                                              side_fn=lambda: self._shared(x_TH), summed_X=summed_X)
             y_TH = y_TH + shared_TH
         return y_TH, routing
 

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from moe_comm._checks import check_float, check_int, check_int_list
 from moe_comm.comm.collectives import wait_work
 
-__all__ = ["LoadMonitor", "HotExpert", "GlobalCounts", "reduce_counts"]
+__all__ = ["load_payload", "LoadMonitor", "HotExpert", "GlobalCounts", "reduce_counts"]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -79,6 +79,21 @@ class GlobalCounts:
             work, self._work = self._work, None  # a failed wait raises once; the group is broken after it
             wait_work(work, self.phase, timeout=self.timeout, rank=self.rank, what="all_reduce")
         return self._counts_E
+
+
+def load_payload(counts_E: torch.Tensor, dropped: torch.Tensor, scores_TE: Optional[torch.Tensor]) -> torch.Tensor:
+    """[2E + 2] float64 on counts_E's device: counts [E], dropped slots, probability sums [E] (router scores
+    normalised per token; zeros without scores), token count. What a group sums for the monitor (exact for
+    counts below 2**53). Device ops only."""
+    device, E = counts_E.device, counts_E.shape[0]
+    if scores_TE is not None:
+        p_TE = scores_TE.detach().to(device=device, dtype=torch.float64)
+        p_TE = p_TE / p_TE.sum(-1, keepdim=True).clamp_min(1e-300)  # sigmoid scores: per-token distribution
+        probsum_E, ntok = p_TE.sum(0), float(scores_TE.shape[0])
+    else:
+        probsum_E, ntok = torch.zeros(E, dtype=torch.float64, device=device), 0.0
+    return torch.cat([counts_E.detach().to(torch.float64), dropped.detach().to(device, torch.float64).reshape(1),
+                      probsum_E, torch.full((1,), ntok, dtype=torch.float64, device=device)])
 
 
 def _size(group: Optional[dist.ProcessGroup]) -> int:
@@ -287,6 +302,20 @@ class LoadMonitor:
         Returns: GlobalCounts of this step (the group-summed counts once ``wait()`` ed), so a caller
             that also needs the global load (aux-loss-free balancing) reuses this step's collective.
         """
+        W = _size(group)
+        if W > 1 and W != self.num_ranks:
+            raise ValueError(f"group has {W} ranks but the monitor was built with num_ranks={self.num_ranks}")
+        buf_X = self.payload(tokens_per_expert_E, dropped, scores_TE)
+        if W > 1 or _size(dp_group) > 1:
+            rank = dist.get_rank(group) if W > 1 else 0
+            return self.record(buf_X, group, dp_group, timeout=timeout, rank=rank)
+        return self.record(buf_X)
+
+    def payload(self, tokens_per_expert_E: torch.Tensor, dropped: Union[torch.Tensor, int] = 0,
+                scores_TE: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """One step's statistics of this rank as the [2E + 2] float64 buffer a group sums: counts [E], dropped
+        slots, probability sums [E], token count (float64 is exact for counts below 2**53). Arguments as in
+        ``observe``. No collective, no host sync."""
         if not isinstance(tokens_per_expert_E, torch.Tensor):
             raise TypeError(f"tokens_per_expert_E must be a torch.Tensor, got {type(tokens_per_expert_E).__name__}")
         E = self.num_experts
@@ -309,32 +338,32 @@ class LoadMonitor:
             dropped_t = torch.full((), dropped, dtype=torch.int64, device=device)  # a fill, not a host copy
         else:
             raise ValueError(f"dropped must be an int >= 0 or a tensor, got {dropped!r}")
-        counts_E = tokens_per_expert_E.detach().to(torch.int64)
-        if scores_TE is not None:
-            if scores_TE.dim() != 2 or scores_TE.shape[1] != E:
-                raise ValueError(f"scores_TE must have shape [T, {E}], got {tuple(scores_TE.shape)}")
-            p_TE = scores_TE.detach().to(device=device, dtype=torch.float64)
-            p_TE = p_TE / p_TE.sum(-1, keepdim=True).clamp_min(1e-300)  # sigmoid scores: per-token distribution
-            probsum_E, ntok = p_TE.sum(0), float(scores_TE.shape[0])
-        else:
-            probsum_E, ntok = torch.zeros(E, dtype=torch.float64, device=device), 0.0
+        if scores_TE is not None and (scores_TE.dim() != 2 or scores_TE.shape[1] != E):
+            raise ValueError(f"scores_TE must have shape [T, {E}], got {tuple(scores_TE.shape)}")
+        return load_payload(tokens_per_expert_E, dropped_t, scores_TE)
 
-        W = _size(group)
-        if W > 1 and W != self.num_ranks:
-            raise ValueError(f"group has {W} ranks but the monitor was built with num_ranks={self.num_ranks}")
+    def record(self, buf_X: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
+               dp_group: Optional[dist.ProcessGroup] = None, *, timeout: Optional[float] = None,
+               rank: int = 0) -> GlobalCounts:
+        """Record one step from a ``payload`` buffer: summed in place over ``group`` (EP) and ``dp_group`` by one
+        asynchronous all_reduce each (groups of more than one rank; see ``observe``), or already summed over
+        the EP group by the caller (group None: e.g. inside the layer's control exchange in the sync-free
+        mode). Returns this step's GlobalCounts."""
+        E = self.num_experts
+        if buf_X.shape != (2 * E + 2,) or buf_X.dtype != torch.float64:
+            raise ValueError(f"buf_X must be a [{2 * E + 2}] float64 payload(), got {tuple(buf_X.shape)} {buf_X.dtype}")
+        if self._device is None:
+            with torch.inference_mode(False):  # state made in an eval step must stay writable in training
+                self._alloc(buf_X.device)
         self._flush()
-        if W > 1 or _size(dp_group) > 1:
-            # One buffer, one collective per group: counts [E], dropped, probability sums [E], token count.
-            # float64 is exact for counts below 2**53.
-            buf_X = torch.cat([counts_E.to(torch.float64), dropped_t.to(torch.float64).reshape(1), probsum_E,
-                               torch.full((1,), ntok, dtype=torch.float64, device=device)])
-            rank = dist.get_rank(group) if W > 1 else 0
+        if _size(group) > 1 or _size(dp_group) > 1:
             work = _all_reduce_over(buf_X, group, dp_group, timeout=timeout, phase="load monitor", rank=rank)
             handle = GlobalCounts(buf_X[:E], work, phase="load monitor", timeout=timeout, rank=rank)
             self._pending.append((handle, buf_X))
         else:
-            self._fold(counts_E, dropped_t, probsum_E, torch.full((), ntok, dtype=torch.float64, device=device))
-            handle = GlobalCounts(counts_E.to(torch.float64))
+            self._fold(buf_X[:E].round().to(torch.int64), buf_X[E].round().to(torch.int64), buf_X[E + 1:2 * E + 1],
+                       buf_X[2 * E + 1])
+            handle = GlobalCounts(buf_X[:E])
         if self.sync_every is not None and self.steps % self.sync_every == 0:
             self.poll()  # host sync: opted in with sync_every
         return handle
