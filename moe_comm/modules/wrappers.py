@@ -11,6 +11,13 @@ error when a DDP or FSDP2 wrapper there manages this layer's expert parameters o
 that holds another rank of the layer's EP group. ``moe_comm.parallel.wrap_ddp`` / ``fully_shard_moe``
 keep the experts out of such wrappers. Cost: one walk up the stack per forward when W > 1 (a wrapper
 found harmless is remembered, by weak reference, and not inspected again).
+
+The check issues no collective. Its verdict and its text depend on the wrapper's ranks and the EP group's
+ranks only, not on which rank asks, so every rank of the wrapper returns the same error; the layer's hook
+hands it to the Dispatcher's control exchange, which every EP rank joins (a rank with no such wrapper joins
+it from its ordinary forward). Every rank has then issued the same collectives - the wrapper's own before
+the layer (DDP: the buffer broadcast; FSDP2: the all-gathers), then the one exchange - and raises the same
+RuntimeError, so the group stays usable (tests/parallel/test_ddp_misuse.py).
 """
 from __future__ import annotations
 
@@ -73,7 +80,6 @@ def data_parallel_error(layer) -> Optional[Exception]:
     ddp_cls, fsdp_cls = _wrapper_classes()
     checked = layer.__dict__.setdefault("_wrappers_checked", {})  # id -> weakref of harmless wrappers
     ep_ranks = set(dist.get_process_group_ranks(group))
-    me = dist.get_rank()
     for m in _enclosing_modules():
         if not isinstance(m, (ddp_cls, fsdp_cls) if fsdp_cls else ddp_cls):
             continue
@@ -81,13 +87,15 @@ def data_parallel_error(layer) -> Optional[Exception]:
         if ref is not None and ref() is m:
             continue
         ranks = _managed_over(m, layer.experts, ddp_cls, fsdp_cls)
-        clash = sorted((set(ranks or ()) & ep_ranks) - {me})
-        if clash:
+        # The wrapper's ranks that are EP ranks of this layer: each holds other experts. Rank-independent (this
+        # rank is one of them), so every rank of the wrapper reaches the same verdict and the same text.
+        clash = sorted(set(ranks or ()) & ep_ranks)
+        if len(clash) > 1:
             kind = "DistributedDataParallel" if isinstance(m, ddp_cls) else "fully_shard (FSDP2)"
             return RuntimeError(
                 f"MoELayer: {kind} over ranks {sorted(ranks)} manages this layer's expert parameters "
-                f"(experts.w1/w3/w2), but ranks {clash} of that group hold OTHER experts (they are in this "
-                f"layer's EP group {sorted(ep_ranks)}). DDP broadcast rank 0's experts to every rank when it "
+                f"(experts.w1/w3/w2), but its ranks {clash} hold DIFFERENT experts (each is a different rank of "
+                f"this layer's EP group {sorted(ep_ranks)}). DDP broadcast rank 0's experts to every rank when it "
                 f"wrapped the model and would average different experts' gradients; FSDP2 would assemble one "
                 f"tensor out of different ranks' experts. Use moe_comm.parallel.wrap_ddp(model) or "
                 f"moe_comm.parallel.fully_shard_moe(model, mesh): they keep the experts out of the wrapper "
