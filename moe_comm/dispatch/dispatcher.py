@@ -164,7 +164,7 @@ class Dispatcher:
                                  f"{dispatch_dtype!r}")
             check_choice("Dispatcher: dispatch_scales", dispatch_scales, ("fp32", "ue8m0"))
             check_int("Dispatcher: summed_words", summed_words, 0, high=1 << 16)
-        except (TypeError, ValueError) as err:
+        except Exception as err:  # noqa: BLE001 - any local failure travels to the agreement: every rank raises
             local_error = err
             max_chunks = max_chunks if isinstance(max_chunks, int) else MAX_CHUNKS
         self.index = next_index(self.group)
@@ -180,7 +180,7 @@ class Dispatcher:
                         direct_min_bytes=direct_min_bytes, end_check=end_check, max_tokens_per_rank=max_tokens_per_rank,
                         dedup=dedup is True, dispatch_dtype=str(dispatch_dtype), dispatch_scales=str(dispatch_scales),
                         summed_words=summed_words)
-        agree(self.group, settings, what="Dispatcher", local_error=local_error)
+        agree(self.group, settings, what="Dispatcher", local_error=local_error, timeout=timeout)
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.world_size
         self.num_chunks, self.max_chunks = num_chunks, max_chunks

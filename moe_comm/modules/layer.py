@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_comm._checks import check_bool, check_float, check_tensor
-from moe_comm.comm.agree import agree
+from moe_comm.comm.agree import agree_ep_dp
 from moe_comm.comm.channel import read_deferred
 from moe_comm.comm.collectives import group_device, group_rank, group_size, resolve_group
 from moe_comm.config import MoEConfig
@@ -96,22 +96,6 @@ def _resolve_dp_group(ep_group, dp_group) -> Optional[dist.ProcessGroup]:
     if dp_group is None:
         return None
     return resolve_group(dp_group, dim="dp", name="MoELayer: dp_group")
-
-
-def _agree_ep_dp(ep_group, dp_group, settings: dict, local_error) -> None:
-    """Every rank of EP x DP agrees on the settings or every rank raises: ``agree`` over the EP group, then
-    (with data parallelism) over the DP group carrying the first one's outcome, so a failure in one EP group
-    reaches every EP group through the DP groups."""
-    if group_size(dp_group) == 1:
-        agree(ep_group, settings, what="MoELayer", local_error=local_error)
-        return
-    outcome = None
-    try:
-        agree(ep_group, settings, what="MoELayer", local_error=local_error)
-    except (TypeError, ValueError, RuntimeError) as err:
-        outcome = err
-    agree(dp_group, {**settings, "ep_size": group_size(ep_group)}, what="MoELayer (data-parallel replicas)",
-          local_error=outcome)
 
 
 class MoELayer(nn.Module):
@@ -192,13 +176,22 @@ class MoELayer(nn.Module):
                  monitor: Union[bool, dict, LoadMonitor, None] = True, bias_update_rate: float = 0.0,
                  strict: bool = False, timeout: Optional[float] = None, end_check: Optional[str] = None):
         super().__init__()
-        # No group, no collective: these raise here alone (the same way on every rank).
-        check_bool("MoELayer: allow_single_process", allow_single_process)
+        # Without a process group there is no collective: a bad flag raises here (alone, as on every rank).
+        # With one, the rank still joins the agreement below, carrying the error: every rank raises.
+        flag_error = None
+        try:
+            check_bool("MoELayer: allow_single_process", allow_single_process)
+        except TypeError as err:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise
+            flag_error, allow_single_process = err, False
         self.ep_group = resolve_group(ep_group, name="MoELayer: ep_group", allow_single_process=allow_single_process)
         self.dp_group = _resolve_dp_group(ep_group, dp_group)
         W, rank = group_size(self.ep_group), group_rank(self.ep_group)
         local_error, settings = None, {}
         try:  # everything local first; a rank that fails still joins the agreement: every rank raises
+            if flag_error is not None:
+                raise flag_error
             if not isinstance(cfg, MoEConfig):
                 raise TypeError(f"MoELayer: cfg must be a MoEConfig, got {type(cfg).__name__}")
             check_float("MoELayer: bias_update_rate", bias_update_rate, 0.0)
@@ -208,9 +201,10 @@ class MoELayer(nn.Module):
             self._build(cfg, W, rank, seed, device, dtype, monitor, bias_update_rate)
             settings = dict(dataclasses.asdict(cfg), dtype=str(self.experts.w1.dtype), monitor=self.monitor is not None,
                             bias_update_rate=self.bias_update_rate, dp_size=group_size(self.dp_group))
-        except (TypeError, ValueError, RuntimeError) as err:
+        except Exception as err:  # noqa: BLE001 - any local failure (device="cuda" without CUDA: AssertionError)
             local_error = err
-        _agree_ep_dp(self.ep_group, self.dp_group, settings, local_error)
+        agree_ep_dp(self.ep_group, self.dp_group, settings, what="MoELayer", local_error=local_error, timeout=timeout,
+                    dp_values={**settings, "ep_size": group_size(self.ep_group)})
         # After the agreement, so that every rank gets here: the Dispatcher's own agreement is collective.
         # Sync-free mode: the load statistics travel in the forward's control exchange (no all_reduce of their
         # own), so every phase is the same four fixed-size collectives: a rank that skipped a backward can be
