@@ -209,7 +209,7 @@ class Channel:
             wait_work(pending.work, PHASE_TEXT[pending.phase], timeout=self.timeout, rank=self.rank,
                       direction=_direction(pending.phase), what="control exchange", group=self.group,
                       where=pending.where)
-            pending.waited = True
+            pending.waited, pending.work = True, None  # no Work outlives its wait (one left at exit may abort)
 
     def defer(self, pending: Pending) -> None:
         """Check this exchange with the next read instead of now (no host sync of its own). At most

@@ -57,7 +57,7 @@ class InFlight:
                       what=t.what, group=t.group, where=self.where)
         if self.timed:  # point-to-point: several Works; the span ends when the last one was waited for
             t.timeline.comm(self.phase, None, chunk=self.chunk, direction=self.direction, start=self.start)
-        self.done, self.keep = True, ()
+        self.done, self.keep, self.works = True, (), []
         if self.error is not None:
             raise self.error
         if self.regroup is not None:
