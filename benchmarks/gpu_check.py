@@ -401,6 +401,22 @@ def compare_layer(rec: Record, label: str, got: Dict, ref: Dict, tol: float) -> 
             check_rel(rec, f"{label}: grad {name}", got[name], ref[name], tol)
 
 
+def compare_ranks(rec: Record, results: List[Dict], ref: Dict, tol: float) -> None:
+    """Every rank's layer step against the oracle of all ranks' tokens: routing, output, aux loss (summed over
+    ranks), every gradient (the router weight is replicated: each rank holds its own tokens' gradient, and
+    they sum to the dense one)."""
+    differ = int((torch.cat([r["topk"] for r in results]) != ref["topk"]).any(1).sum())
+    rec.check("routing equals the reference", differ == 0, f"{differ} tokens routed differently")
+    check_rel(rec, "output", torch.cat([r["y"] for r in results]), ref["y"], tol)
+    aux = sum(r["aux"] for r in results)
+    rec.check("aux loss (sum over ranks)", abs(aux - ref["aux"]) <= tol * max(1.0, abs(ref["aux"])),
+              f"{aux:.6g} vs {ref['aux']:.6g}")
+    check_rel(rec, "grad x", torch.cat([r["x"] for r in results]), ref["x"], tol)
+    check_rel(rec, "grad router (sum over ranks)", sum(r["router"].double() for r in results), ref["router"], tol)
+    for name in ("w1", "w3", "w2"):
+        check_rel(rec, f"grad {name}", torch.cat([r[name] for r in results]), ref[name], tol)
+
+
 # ======================================================================================= sections
 @section("env", needs_s=1)
 def sec_env(ctx: Ctx, rec: Record) -> None:
@@ -1227,18 +1243,7 @@ def sec_two_ranks(ctx: Ctx, rec: Record) -> None:
               f"{'CPU' if ctx.dry else 'CUDA'} tensors")
     cfg, d = two_ranks_case(TWO_RANKS_SEED)
     ref = dense_reference(d, cfg, TWO_RANKS_TOKENS, torch.float32, torch.float32, torch.device("cpu"))
-    tol = REL_TOL[torch.float32]
-    differ = int((torch.cat([r["topk"] for r in results]) != ref["topk"]).any(1).sum())
-    rec.check("routing equals the reference", differ == 0, f"{differ} tokens routed differently")
-    check_rel(rec, "output", torch.cat([r["y"] for r in results]), ref["y"], tol)
-    aux = sum(r["aux"] for r in results)
-    rec.check("aux loss (sum over ranks)", abs(aux - ref["aux"]) <= tol * max(1.0, abs(ref["aux"])),
-              f"{aux:.6g} vs {ref['aux']:.6g}")
-    check_rel(rec, "grad x", torch.cat([r["x"] for r in results]), ref["x"], tol)
-    # the router weight is replicated: each rank holds its own tokens' gradient; they sum to the dense one
-    check_rel(rec, "grad router (sum over ranks)", sum(r["router"].double() for r in results), ref["router"], tol)
-    for name in ("w1", "w3", "w2"):
-        check_rel(rec, f"grad {name}", torch.cat([r[name] for r in results]), ref[name], tol)
+    compare_ranks(rec, results, ref, REL_TOL[torch.float32])
     syncs = [(r.get("syncs_how"), r.get("syncs_fwd"), r.get("syncs_bwd")) for r in results]
     rec.data["syncs"] = syncs
     if syncs[0][0] == "hostsyncs":
@@ -1408,17 +1413,7 @@ def sec_nccl_ranks(ctx: Ctx, rec: Record) -> None:
     rec.check("uneven all_to_all_single", all(r["a2a_ok"] for r in results))
     cfg, d = nccl_ranks_case(world, NCCL_RANKS_SEED)
     ref = dense_reference(d, cfg, nccl_ranks_tokens(world), torch.float32, torch.float32, torch.device("cpu"))
-    tol = REL_TOL[torch.float32]
-    differ = int((torch.cat([r["topk"] for r in results]) != ref["topk"]).any(1).sum())
-    rec.check("routing equals the reference", differ == 0, f"{differ} tokens routed differently")
-    check_rel(rec, "output", torch.cat([r["y"] for r in results]), ref["y"], tol)
-    aux = sum(r["aux"] for r in results)
-    rec.check("aux loss (sum over ranks)", abs(aux - ref["aux"]) <= tol * max(1.0, abs(ref["aux"])),
-              f"{aux:.6g} vs {ref['aux']:.6g}")
-    check_rel(rec, "grad x", torch.cat([r["x"] for r in results]), ref["x"], tol)
-    check_rel(rec, "grad router (sum over ranks)", sum(r["router"].double() for r in results), ref["router"], tol)
-    for name in ("w1", "w3", "w2"):
-        check_rel(rec, f"grad {name}", torch.cat([r[name] for r in results]), ref[name], tol)
+    compare_ranks(rec, results, ref, REL_TOL[torch.float32])
     # W >= 2, end_check="deferred": the forward reads the counts exchange; the backward its check-in: one each
     rec.data["syncs"] = [r["syncs"] for r in results]
     for how in results[0]["syncs"]:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import moe_comm
+from outcome import outcome_of
 
 H = 8
 # (transport, direct_min_bytes): point-to-point needs e > 1 (E = 2W) and a threshold of 0.
@@ -36,15 +37,6 @@ def _good_call(d, rank, E, C):
     y.sum().backward()
     torch.testing.assert_close(y, 2 * w.sum(1, keepdim=True) * x)
     return True
-
-
-def _outcome(fn):
-    """'value' when fn returned, else 'ExcType: message'."""
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test inspects the type and text
-        return f"{type(e).__name__}: {e} " + " ".join(getattr(e, "__notes__", []))
-    return "value"
 
 
 class _RaiseInBackward(torch.autograd.Function):
@@ -92,14 +84,14 @@ def _rank_pipeline_faults(rank, world_size, bad):
                                                 w, lambda t, c: t, num_chunks=C),
             }
             for case, fn in cases.items():
-                out[(case, name, C)] = (_outcome(fn), _good_call(d, rank, E, C))
+                out[(case, name, C)] = (outcome_of(fn), _good_call(d, rank, E, C))
 
             def backward_raises():
                 xg = x.clone().requires_grad_(True)
                 y = d(xg, idx, w, (lambda t, c: _RaiseInBackward.apply(t)) if me else (lambda t, c: t * 2.0),
                       num_chunks=C)
                 y.sum().backward()
-            out[("expert_backward", name, C)] = (_outcome(backward_raises), _good_call(d, rank, E, C))
+            out[("expert_backward", name, C)] = (outcome_of(backward_raises), _good_call(d, rank, E, C))
 
             def skipped_backward():
                 xg = x.clone().requires_grad_(True)
@@ -108,7 +100,7 @@ def _rank_pipeline_faults(rank, world_size, bad):
                     y.sum().backward()
                 else:
                     d(x, idx, w, lambda t, c: t * 2.0, num_chunks=C)
-            out[("skipped_backward", name, C)] = (_outcome(skipped_backward), _good_call(d, rank, E, C))
+            out[("skipped_backward", name, C)] = (outcome_of(skipped_backward), _good_call(d, rank, E, C))
     return out
 
 
@@ -181,7 +173,7 @@ def _rank_dispatch_combine_faults(rank, world_size, bad):
 
         for case, fn in (("combine_short_rows", combine_short_rows), ("combine_bad_weights", combine_bad_weights),
                          ("skipped_backward", skipped_backward_of_combine)):
-            out[(case, name)] = (_outcome(fn), good())
+            out[(case, name)] = (outcome_of(fn), good())
     return out
 
 
@@ -206,7 +198,7 @@ def _rank_construction(rank, world_size):
     res = []
     for kwargs in ({"num_experts": world_size if rank == 0 else 2 * world_size}, {"num_experts": 2 * world_size,
                                                                           "timeout": -1 if rank == 1 else None}):
-        res.append(_outcome(lambda: moe_comm.Dispatcher(**kwargs)))
+        res.append(outcome_of(lambda: moe_comm.Dispatcher(**kwargs)))
     ok = moe_comm.Dispatcher(num_experts=2 * world_size)  # still usable afterwards
     return res, _good_call(ok, rank, 2 * world_size, 2)
 
@@ -234,10 +226,10 @@ def _rank_stale_bytes(rank, world_size):
         dist.all_to_all_single(torch.empty_like(junk), junk, group=group)
         first = "sent junk"
     else:
-        first = _outcome(lambda: d(x, idx, w, lambda t, c: t))
+        first = outcome_of(lambda: d(x, idx, w, lambda t, c: t))
     # rank 0 learns on its next call: the others poisoned the group and raise at once; rank 0 times out or
     # is refused, never returns a value.
-    return first, _outcome(lambda: d(x, idx, w, lambda t, c: t)) if rank != 0 else "skipped"
+    return first, outcome_of(lambda: d(x, idx, w, lambda t, c: t)) if rank != 0 else "skipped"
 
 
 @pytest.mark.multirank
@@ -269,11 +261,11 @@ def _stall_rank(rank, world_size, init_file, mode, threshold, where, q):
         return t * 2.0
 
     t0 = time.perf_counter()
-    first = _outcome(lambda: d(x.clone().requires_grad_(True), idx, w, expert_fn, num_chunks=2).sum().backward()
+    first = outcome_of(lambda: d(x.clone().requires_grad_(True), idx, w, expert_fn, num_chunks=2).sum().backward()
                      if where == "forward" else _stall_backward(d, rank, x, idx, w, mode))
     elapsed = time.perf_counter() - t0
     t1 = time.perf_counter()
-    second = _outcome(lambda: d(x, idx, w, lambda t, c: t))
+    second = outcome_of(lambda: d(x, idx, w, lambda t, c: t))
     q.put((rank, first, elapsed, second, time.perf_counter() - t1))
     q.close()
     q.join_thread()
@@ -354,10 +346,10 @@ def _rank_deferred(rank, world_size, bad):
             y = d(x.clone().requires_grad_(True), idx, w, expert_fn, num_chunks=2)
             y.sum().backward()
 
-        out[(name, "train")] = (_outcome(train_step), "skipped", _good_call(d, rank, E, 2))
+        out[(name, "train")] = (outcome_of(train_step), "skipped", _good_call(d, rank, E, 2))
         # check(): the deferred exchange read on demand, by every rank
-        y_or_error = _outcome(lambda: d(x, idx, w, expert_fn, num_chunks=1))
-        out[(name, "check")] = (y_or_error, _outcome(d.check), _good_call(d, rank, E, 1))
+        y_or_error = outcome_of(lambda: d(x, idx, w, expert_fn, num_chunks=1))
+        out[(name, "check")] = (y_or_error, outcome_of(d.check), _good_call(d, rank, E, 1))
     return out
 
 
@@ -397,11 +389,11 @@ def _rank_skipped_step(rank, world_size, bad):
     try:
         for step in ([0, 2] if rank == bad else [0, 1]):
             moe_comm.set_step(step)
-            out.append(_outcome(lambda: layer(x.clone().requires_grad_(True)).sum().backward()))
+            out.append(outcome_of(lambda: layer(x.clone().requires_grad_(True)).sum().backward()))
         moe_comm.set_step(7)  # the loop brought every rank to the same step: the next call works
-        out.append(_outcome(lambda: layer(x.clone().requires_grad_(True)).sum().backward()))
+        out.append(outcome_of(lambda: layer(x.clone().requires_grad_(True)).sum().backward()))
         moe_comm.set_step(None)
-        out.append(_outcome(lambda: layer(x.clone().requires_grad_(True)).sum().backward()))
+        out.append(outcome_of(lambda: layer(x.clone().requires_grad_(True)).sum().backward()))
     finally:
         moe_comm.set_step(None)  # the pool's processes serve later tests
     return out

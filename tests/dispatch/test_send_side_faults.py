@@ -16,6 +16,7 @@ import torch
 
 import moe_comm
 from moe_comm.testing.faults import inject
+from outcome import outcome_of
 
 H = 8
 
@@ -24,14 +25,6 @@ def _inputs(rank, E, T=9, K=2, seed=0):
     g = torch.Generator().manual_seed(100 * seed + rank)
     return (torch.randn(T, H, generator=g, dtype=torch.float64), torch.rand(T, E, generator=g).argsort(1)[:, :K],
             torch.rand(T, K, generator=g, dtype=torch.float64))
-
-
-def _outcome(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test reads the type and text
-        return f"{type(e).__name__}: {e} " + " ".join(getattr(e, "__notes__", []))
-    return "value"
 
 
 def _expert(t, c):
@@ -90,7 +83,7 @@ def _rank_pipeline(rank, world_size, bad, cases):
             grads["x"] = x.grad
             d.check()
 
-        outcome = _outcome(step)
+        outcome = outcome_of(step)
         nan_grad = grads.get("x") is not None and bool(torch.isnan(grads["x"]).all())
         out[(mode, transport, C, fault, direction)] = (outcome, nan_grad, _good_step(d, rank, E, C))
     return out
@@ -151,7 +144,7 @@ def _rank_sync_free(rank, world_size, bad, fault):
         y.sum().backward()  # deferred: the backward moves placeholder rows like its peers
         d.check()
 
-    return _outcome(step), _good_sync_free(d, x, idx, w)
+    return outcome_of(step), _good_sync_free(d, x, idx, w)
 
 
 def _good_sync_free(d, x, idx, w):
@@ -188,7 +181,7 @@ def _rank_two_step(rank, world_size, bad):
             o = d.dispatch(x, idx)
         return d.combine(o.tokens * 2.0, w, o.handle)  # every rank raises here
 
-    outcome = _outcome(step)
+    outcome = outcome_of(step)
     o = d.dispatch(x, idx)
     y = d.combine(o.tokens * 2.0, w, o.handle)
     torch.testing.assert_close(y, 2 * w.sum(1, keepdim=True) * x)
@@ -225,9 +218,9 @@ def _rank_unpermute(rank, world_size, bad, with_layer):
             return d(x, idx, w, _expert)
     with torch.no_grad():
         with inject("unpermute") if rank == bad else contextlib.nullcontext():
-            first = _outcome(call)
-        second = _outcome(call)
-        third = _outcome(call)
+            first = outcome_of(call)
+        second = outcome_of(call)
+        third = outcome_of(call)
     return first, second, third
 
 

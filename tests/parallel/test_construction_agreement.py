@@ -17,15 +17,7 @@ import torch.distributed as dist
 import moe_comm
 
 from ep_dp_model import E, batch, make_cfg
-
-
-def _outcome(fn):
-    """'value' when fn returned, else 'ExcType: message'."""
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test inspects the type and text
-        return f"{type(e).__name__}: {e} " + " ".join(getattr(e, "__notes__", []))
-    return "value"
+from outcome import outcome_of
 
 
 def _mixtral_block(experts: int = 4):
@@ -50,9 +42,9 @@ def _rank_hf_local_rejection(rank, world_size):
     out = {}
     t0 = time.perf_counter()
     # num_chunks=0: MoEConfig rejects it on the bad rank alone, before any MoELayer exists
-    out["option"] = _outcome(lambda: hf.from_hf(block, dist.group.WORLD, num_chunks=0 if rank == bad else 1))
+    out["option"] = outcome_of(lambda: hf.from_hf(block, dist.group.WORLD, num_chunks=0 if rank == bad else 1))
     # an option from_hf does not know, on one rank
-    out["unknown"] = _outcome(lambda: hf.from_hf(block, dist.group.WORLD, **({"chunks": 2} if rank == bad else {})))
+    out["unknown"] = outcome_of(lambda: hf.from_hf(block, dist.group.WORLD, **({"chunks": 2} if rank == bad else {})))
 
     class Unsupported(torch.nn.Module):  # a sparse MoE block moe_comm cannot express, on the bad rank alone
         def __init__(self):
@@ -62,7 +54,7 @@ def _rank_hf_local_rejection(rank, world_size):
     model = torch.nn.Sequential(_mixtral_block(experts=2 * world_size))
     if rank == bad:
         model.append(Unsupported())
-    out["swap"] = _outcome(lambda: hf.swap_moe_blocks(model, dist.group.WORLD))
+    out["swap"] = outcome_of(lambda: hf.swap_moe_blocks(model, dist.group.WORLD))
     out["elapsed"] = time.perf_counter() - t0
     layer = hf.from_hf(block, dist.group.WORLD)  # the group is still usable, every rank in step
     x = torch.randn(1, 5, 16, generator=torch.Generator().manual_seed(rank))
@@ -92,9 +84,9 @@ def test_a_rank_rejecting_an_hf_option_or_block_raises_on_every_rank(ranks, worl
 def _rank_order_mismatch(rank, world_size):
     cfg = make_cfg()
     if rank == 0:
-        first = _outcome(lambda: moe_comm.MoELayer(cfg, seed=1))
+        first = outcome_of(lambda: moe_comm.MoELayer(cfg, seed=1))
     else:
-        first = _outcome(lambda: moe_comm.Dispatcher(num_experts=E))
+        first = outcome_of(lambda: moe_comm.Dispatcher(num_experts=E))
     # every later construction is in step again: a layer and a Dispatcher on every rank
     layer = moe_comm.MoELayer(cfg, seed=1)
     d = moe_comm.Dispatcher(num_experts=E)
@@ -124,10 +116,10 @@ def _rank_agree_timeout(rank, world_size):
     if rank == late:
         return "skipped", 0.0, "skipped", 0.0  # never arrives (as a rank that raised alone before its agreement)
     t0 = time.perf_counter()
-    first = _outcome(lambda: agree(group, {"E": E}, what="MoELayer", timeout=1.0))
+    first = outcome_of(lambda: agree(group, {"E": E}, what="MoELayer", timeout=1.0))
     elapsed = time.perf_counter() - t0
     t1 = time.perf_counter()
-    second = _outcome(lambda: agree(group, {"E": E}, what="Dispatcher", timeout=1.0))
+    second = outcome_of(lambda: agree(group, {"E": E}, what="Dispatcher", timeout=1.0))
     return first, elapsed, second, time.perf_counter() - t1
 
 

@@ -18,17 +18,10 @@ from moe_comm import parallel
 from moe_comm.comm.collectives import poison
 
 from ep_dp_model import TinyMoENet, batch, compare_to_reference, grid, local_grads, make_cfg, rank_loss, reference_grads
+from outcome import outcome_of
 
 SEED = 11
 TIMEOUT = 1.5
-
-
-def _outcome(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test inspects the type and text
-        return f"{type(e).__name__}: {e}"
-    return "value"
 
 
 def _grid(world_size: int):
@@ -52,7 +45,7 @@ def _rank_replicas_on_poisoned_group(rank, world_size):
     if rank == 0:  # as a timed-out expert-gradient all_reduce over the DP group leaves it
         poison(model.moe.dp_group, "the expert gradient all_reduce over the data-parallel group timed out")
     t0 = time.perf_counter()
-    got = _outcome(lambda: parallel.check_expert_replicas(model, group=verdict))
+    got = outcome_of(lambda: parallel.check_expert_replicas(model, group=verdict))
     return got, time.perf_counter() - t0
 
 
@@ -75,9 +68,9 @@ def _rank_no_sync_alone(rank, world_size, ep, dp):
     ddp = parallel.wrap_ddp(model)
     if rank == world_size - 1:  # accumulates alone: its peers would wait in the gradient all_reduce
         with ddp.no_sync():
-            first = _outcome(lambda: rank_loss(ddp, *batch(rank, step=1)).backward())
+            first = outcome_of(lambda: rank_loss(ddp, *batch(rank, step=1)).backward())
     else:
-        first = _outcome(lambda: rank_loss(ddp, *batch(rank, step=1)).backward())
+        first = outcome_of(lambda: rank_loss(ddp, *batch(rank, step=1)).backward())
     for p in ddp.parameters():
         p.grad = None
     rank_loss(ddp, *batch(rank, step=0)).backward()  # every rank alike: works

@@ -10,14 +10,7 @@ import torch.distributed as dist
 import moe_comm
 
 from ep_dp_model import E, make_cfg
-
-
-def _outcome(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test inspects the type and text
-        return f"{type(e).__name__}: {e}"
-    return "value"
+from outcome import outcome_of
 
 
 def _rank_local_rejections(rank, world_size):
@@ -25,10 +18,10 @@ def _rank_local_rejections(rank, world_size):
     me = rank == bad
     out = {
         # torch raises AssertionError (not compiled with CUDA) on this rank alone
-        "device": _outcome(lambda: moe_comm.MoELayer(make_cfg(), seed=1, device="cuda" if me else None)),
-        "allow_single_process": _outcome(lambda: moe_comm.MoELayer(make_cfg(), seed=1,
+        "device": outcome_of(lambda: moe_comm.MoELayer(make_cfg(), seed=1, device="cuda" if me else None)),
+        "allow_single_process": outcome_of(lambda: moe_comm.MoELayer(make_cfg(), seed=1,
                                                                    allow_single_process=1 if me else False)),
-        "dispatcher_device_free": _outcome(lambda: moe_comm.Dispatcher(E, timeout=-1.0 if me else 5.0)),
+        "dispatcher_device_free": outcome_of(lambda: moe_comm.Dispatcher(E, timeout=-1.0 if me else 5.0)),
     }
     moe_comm.MoELayer(make_cfg(), seed=1)  # every rank in step afterwards
     return out
@@ -51,7 +44,7 @@ def _rank_layer_timeout(rank, world_size):
     if rank == world_size - 1:
         return "skipped", 0.0  # never builds its layer
     t0 = time.perf_counter()
-    got = _outcome(lambda: moe_comm.MoELayer(make_cfg(), group, seed=1, timeout=1.0))
+    got = outcome_of(lambda: moe_comm.MoELayer(make_cfg(), group, seed=1, timeout=1.0))
     return got, time.perf_counter() - t0
 
 

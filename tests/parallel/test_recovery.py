@@ -24,18 +24,11 @@ import pytest
 import torch
 
 import moe_comm
+from outcome import outcome_of
 
 H, F, K = 8, 16, 2
 TIMEOUT = 1.5  # the layers' timeout=, seconds
 PG_TIMEOUT = 20.0
-
-
-def _outcome(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test inspects the type and text
-        return f"{type(e).__name__}: {e}"
-    return "value"
 
 
 def _init(tmp: str, generation: int, rank: int, world_size: int) -> None:
@@ -97,7 +90,7 @@ def _rank(rank, world_size, tmp, stalled, killed, q, replacement):
         if rank == bad:
             _stall_or_die(layer, how)
         t0 = time.perf_counter()
-        failed = _outcome(lambda: _step(layer, rank))
+        failed = outcome_of(lambda: _step(layer, rank))
         q.put((rank, f"failure {how}", failed, time.perf_counter() - t0))
         q.put((rank, f"recovered {how}", _recover(tmp, generation, rank, world_size), 0.0))
         layer = _build(world_size)  # the next failure strikes a layer of the new group
