@@ -145,6 +145,14 @@ EXCLUDED[("unpermute", "sync_free", "fwd")] = (
     "backward pairs with the failing rank's next forward and every later call raises ProtocolError until a "
     "CollectiveError timeout poisons the group")
 
+# Not drawn at all, as in tests/dispatch/test_send_side_faults.py: ``unpermute`` with grad on (a training step).
+# Finding (eager, W = 2, reproduced outside the loop): the failing rank raises at once and skips the backward, its
+# peers' backward check-in pairs with its next step's forward: ProtocolError on both (as documented), but the ranks
+# then stay one call apart - without moe_comm.set_step the next steps pair rank 0's step k with rank 1's step k + 1
+# silently (values returned) and the last call times out (CollectiveError, group poisoned); with set_step every
+# later step raises ProtocolError on every rank. The pipelined path has no resync of a skipped backward (the
+# sync-free mode has Channel.resync). Drawing it would poison the group for the rest of the loop.
+
 
 def after_last_exchange(kind: str, mode: str) -> bool:
     """The fault hits the call's final unpermute, after its last exchange: the failing rank raises at once, every
