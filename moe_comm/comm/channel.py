@@ -9,6 +9,7 @@ the same error on every rank when anything disagrees or failed. See ``moe_comm.c
 """
 from __future__ import annotations
 
+import traceback
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -21,8 +22,9 @@ from moe_comm.comm.collectives import (REBUILD, CollectiveError, check_usable, g
 from moe_comm.comm.wire import (HEADER_WORDS, MAGIC, MESSAGE_WORDS, PHASE_TEXT, Failure, Phase, ProtocolError, Word,
                                 decode_message, describe_position, dtype_name, encode_message, positions, step_text)
 
-__all__ = ["Channel", "Pending", "PeerFailed", "next_index", "MAX_DEFERRED", "read_deferred"]
+__all__ = ["Channel", "Pending", "PeerFailed", "next_index", "MAX_DEFERRED", "read_deferred", "kept"]
 
+EARLIER = -2  # Word.CHUNK of a failure carried from an earlier call (after that call's last exchange)
 MAX_DEFERRED = 64  # unread exchanges a Channel keeps; older ones are checked on the device (Channel.defer)
 
 def next_index(group: Optional[dist.ProcessGroup]) -> int:
@@ -79,7 +81,7 @@ class Channel:
         self.folded = None
         # A failure on this rank after a phase's closing exchange (the final unpermute, a placeholder-rows
         # path): raised here alone, and carried by this rank's next exchange so that every rank raises there.
-        self.late: Optional[str] = None
+        self.late: Optional[Tuple[BaseException, str]] = None  # (error, where)
         # Sync-free mode (every exchange deferred): a read that finds this rank's forward paired with a peer's
         # backward (this rank skipped a backward its peers ran, so its collectives lag theirs by one phase) calls
         # ``resync`` to issue a placeholder backward, so every rank's collectives pair again. Set by the owner.
@@ -87,9 +89,10 @@ class Channel:
         self._owed = False
 
     def carry(self, error: BaseException, where: str) -> None:
-        """Send ``error`` (raised on this rank alone in ``where``) with this rank's next exchange."""
+        """Send ``error`` (this rank's alone, in ``where``, after that call's last exchange) with this rank's next
+        exchange: every rank raises there, this one with ``error``."""
         if self.world > 1 and self.late is None:
-            self.late = f"{type(error).__name__} in {where}: {error}"
+            self.late = (kept(error), where)
 
     def begin(self, phase: Phase, hdr: List[int], *, dynamic: Optional[torch.Tensor] = None,
               slots_WS: Optional[torch.Tensor] = None, local_error: Optional[BaseException] = None,
@@ -99,15 +102,15 @@ class Channel:
         counts; local_error / failed: this rank's failure, sent to every peer with its message."""
         check_usable(self.group, self.rank)
         W, dev = self.world, self.device
+        hdr = list(hdr)
+        message = None if local_error is None else f"{type(local_error).__name__}: {local_error}"
         if local_error is None and self.late is not None:
-            local_error = PeerFailed(f"moe_comm: EP rank {self.rank}: {self.late} (raised on this rank alone then; "
-                                     "every rank raises at this next exchange)")
-            failed, self.late = Failure.RAISED, None
+            (local_error, where), self.late = self.late, None
+            failed, hdr[Word.CHUNK] = Failure.RAISED, EARLIER
+            message = f"{type(local_error).__name__} in {where}: {local_error}"
         if W == 1 and dynamic is not None:
             dev = dynamic.device  # one process: no collective; stay on the rows' device (no copy to the host)
-        hdr = list(hdr)
         hdr[Word.FAILED] = int(failed)
-        message = None if local_error is None else f"{type(local_error).__name__}: {local_error}"
         hdr_X = torch.tensor(hdr, dtype=torch.int64, device="cpu")  # host ints, whatever the default device
         row = torch.cat([hdr_X, encode_message(message)])
         if dev.type == "cuda":  # from pinned memory the copy is asynchronous; from pageable memory it may block
@@ -215,6 +218,7 @@ class Channel:
         """Check this exchange with the next read instead of now (no host sync of its own). At most
         MAX_DEFERRED stay unread; older ones are checked on the device and folded into one flag (read with
         the next read), so a sync-free run that never reads holds a fixed amount of memory."""
+        kept(pending.local_error)
         self.deferred.append(pending)
         if len(self.deferred) > MAX_DEFERRED:
             self._fold(self.deferred.pop(0))
@@ -306,7 +310,8 @@ class Channel:
         lines = []
         for r in failed:
             chunk = rows[r][Word.CHUNK]
-            where = "before any rows moved" if chunk < 0 else f"at chunk {chunk}"
+            where = ("after its call's last exchange, carried here" if chunk == EARLIER else
+                     "before any rows moved" if chunk < 0 else f"at chunk {chunk}")
             msg = decode_message(rows[r][HEADER_WORDS:HEADER_WORDS + MESSAGE_WORDS])
             lines.append(f"EP rank {r} ({where}): {msg}")
         ctx = (f"[{describe_position(rows[self.rank])}: EP rank(s) {failed} failed: " + "; ".join(lines)
@@ -323,6 +328,17 @@ class Channel:
         if all(rows[r][Word.FAILED] == Failure.REJECTED for r in failed):
             raise RemoteError(f"moe_comm: EP rank(s) {failed} rejected their input {ctx}")
         raise PeerFailed(f"moe_comm: EP rank(s) {failed} failed mid-call {ctx}")
+
+
+def kept(error: Optional[BaseException]) -> Optional[BaseException]:
+    """``error`` without its traceback, for a failure kept to be raised at a later read: its frames hold the
+    call's tensors, whose autograd graph holds the failure again - a cycle the garbage collector cannot see
+    through, so every failed call would stay in memory. Where it was raised stays, as a note."""
+    tb = None if error is None else error.__traceback__
+    if tb is not None:
+        error.add_note("moe_comm: first raised at (most recent call last):\n" + "".join(traceback.format_tb(tb)[-4:]))
+        error.__traceback__ = None
+    return error
 
 
 def _direction(phase: Phase) -> str:

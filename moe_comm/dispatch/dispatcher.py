@@ -23,7 +23,7 @@ from einops import rearrange
 from moe_comm import ops
 from moe_comm._checks import check_bool, check_choice, check_float, check_int, check_tensor
 from moe_comm.comm.agree import agree
-from moe_comm.comm.channel import Channel, as_collective_error, next_index
+from moe_comm.comm.channel import Channel, as_collective_error, kept, next_index
 from moe_comm.comm.collectives import group_device, group_rank, group_size, resolve_group
 from moe_comm.comm.wire import HEADER_WORDS, MESSAGE_WORDS, Failure, Phase, Word, dtype_code, header
 from moe_comm.dispatch.autotune import AutoChunker, PipelinePlan, chunk_overhead, now
@@ -424,6 +424,24 @@ class Dispatcher:
                 self.channel.carry(err, where)
             raise
 
+    def last_step(self, where: str, y_NH: torch.Tensor, shape, fn) -> torch.Tensor:
+        """``fn()``: a call's work after its last exchange (the final unpermute of the pipeline's output ``y_NH``).
+        A failure here is this rank's alone: its next exchange carries it and every rank raises there, naming
+        it. With a backward to come (``y_NH`` requires grad) that exchange is this call's backward check-in:
+        the rank returns NaN rows of ``shape`` attached to ``y_NH``, so that its backward runs with its peers'
+        and all raise in the same step; without one it raises now (its peers raise at the next call)."""
+        try:
+            return fn()
+        except _STOP_RECOMPUTE:
+            raise
+        except Exception as err:  # noqa: BLE001
+            if as_collective_error(err):
+                raise
+            self.channel.carry(kept(err), where)
+            if self.world_size == 1 or not y_NH.requires_grad:
+                raise
+            return y_NH.sum() * 0 + y_NH.new_full(shape, float("nan"))
+
     @_graph_break
     def check(self) -> None:
         """Collective: read the deferred end-of-phase exchanges now (``end_check="deferred"``); raises on every
@@ -605,9 +623,9 @@ class Dispatcher:
         if measure:
             nbytes = handle.layout.num_rows * x_TH.shape[1] * x_TH.element_size()
             self.auto.make_plan(expert_s, nbytes, chunk_overhead(expert_fn, x_TH, self.num_local_experts))
-        with self.alone(f"the unpermute of call {handle.call}"), self.timeline.compute("unpermute"):
-            y_TH = ops.unpermute(y_NH, handle.layout, None if meta_w_TK is not None else topk_weight_TK,
-                                 backend=self.backend)
+        with self.timeline.compute("unpermute"):
+            y_TH = self.last_step(f"the unpermute of call {handle.call}", y_NH, x_TH.shape, lambda: ops.unpermute(
+                y_NH, handle.layout, None if meta_w_TK is not None else topk_weight_TK, backend=self.backend))
         if trial:
             self.auto.record_trial(now(x_TH.device) - t_start)
         return y_TH if side_fn is None else (y_TH, side_out)

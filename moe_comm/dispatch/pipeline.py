@@ -41,7 +41,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from moe_comm import _wgrad, ops
-from moe_comm.comm.channel import as_collective_error
+from moe_comm.comm.channel import as_collective_error, kept
 from moe_comm.comm.wire import Failure, Phase
 from moe_comm.dispatch.autotune import call_expert_fn, now
 from moe_comm.kernels import select_backend
@@ -152,7 +152,7 @@ class _PipelinedExperts(torch.autograd.Function):
         # moves placeholder rows like its peers, and every rank raises at its next read.
         d._exchange_status(Phase.BACKWARD, run.handle, error, Failure.NONE if error is None else Failure.REJECTED)
         run.backward_done = True
-        run.failed = run.failed or error
+        run.failed = run.failed or kept(error)
         with d.workspace.dropped_on_error():
             grad_x, grad_w_NK = _backward(run, _made(run, grad_y_NH.contiguous, "contiguous gradient"))
         with d.alone(f"the backward of call {run.handle.call}, after its last exchange"):
@@ -250,7 +250,7 @@ def _schedule(run: _Run, src: Tuple[torch.Tensor, ...], out: Tuple[torch.Tensor,
             _wait(f, failure, c, chunks[c].num_rows, o)
     run.closing = failure.close(d, end, handle)
     if failure.error is not None:  # deferred: the backward of this call moves placeholder rows too
-        run.failed = failure.error
+        run.failed = kept(failure.error)
     return out
 
 
@@ -259,7 +259,7 @@ def _made(run: _Run, make, what: str) -> torch.Tensor:
     travels as this rank's failure of the phase (``run.failed``: placeholder rows, every rank raises)."""
     value, err = run.handle.transport.local(make, what)
     if err is not None and run.failed is None:
-        run.failed = err
+        run.failed = kept(err)
     return value
 
 
@@ -374,7 +374,7 @@ def run_pipeline(dispatcher, handle, x: torch.Tensor, expert_fn: Callable,
     when ``measure`` else 0).
     """
     run = _Run(dispatcher=dispatcher, handle=handle, expert_fn=expert_fn, side_fn=side_fn,
-               grad_enabled=torch.is_grad_enabled(), measure=measure, keep_output=keep_output, failed=failed,
+               grad_enabled=torch.is_grad_enabled(), measure=measure, keep_output=keep_output, failed=kept(failed),
                meta=meta_w_TK is not None, meta_dtype=None if meta_w_TK is None else meta_w_TK.dtype, wire=wire_NB,
                fill=fill)
     # The anchor makes the output require grad whenever grad mode is on, so backward runs (and the

@@ -101,7 +101,8 @@ def call_sync_free(d, x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn, loc
         y_TH = x_TH.detach().new_zeros(x_TH.shape) + anchor.to(x_TH.dtype)
         return y_TH if side_fn is None else (y_TH, torch.zeros_like(y_TH))
     with d.timeline.compute("unpermute"):
-        y_TH = ops.unpermute(y_NH, lay, topk_weight_TK, backend=d.backend)
+        y_TH = d.last_step(f"the unpermute of call {pending.call}", y_NH, x_TH.shape,
+                           lambda: ops.unpermute(y_NH, lay, topk_weight_TK, backend=d.backend))
     return y_TH if side_fn is None else (y_TH, side_out)
 
 

@@ -237,3 +237,44 @@ def test_unpermute_fault_reaches_every_rank_at_the_next_exchange(ranks, world_si
             assert first == "value", (rank, first)
         assert "injected final unpermute fault" in second and f"[{bad}]" in second, (rank, second)
         assert third == "value", (rank, third)
+
+
+def _rank_unpermute_training(rank, world_size, bad, sync_free):
+    """A training loop whose final unpermute fails on one rank: with a backward to come, that rank returns NaN
+    rows and every rank raises in the same step's backward (at its check-in; sync-free: at check()), so the
+    ranks stay in step and the next step works everywhere (before: the failing rank raised in the forward and
+    skipped its backward, its peers' backward met its next forward, and the ranks stayed a step apart)."""
+    E = 2 * world_size
+    cfg = moe_comm.MoEConfig(hidden_size=H, ffn_hidden_size=16, num_experts=E, top_k=2,
+                             max_tokens_per_rank=12 if sync_free else None)
+    layer = moe_comm.MoELayer(cfg, seed=5, timeout=30.0)
+    steps = []
+    for step in range(4):
+        moe_comm.set_step(step)
+        x = torch.randn(6, H, generator=torch.Generator().manual_seed(10 * step + rank), requires_grad=True)
+        seen = {}
+
+        def one_step():
+            with inject("unpermute") if (rank == bad and step == 1) else contextlib.nullcontext():
+                y = layer(x)
+            seen["nan"] = bool(torch.isnan(y).all())
+            y.sum().backward()
+            moe_comm.check(layer)
+            return "finite" if bool(torch.isfinite(x.grad).all()) else "nan grad"
+        steps.append((outcome_of(one_step), seen.get("nan")))
+    moe_comm.set_step(None)
+    return steps
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_unpermute_fault_in_training_raises_in_the_same_step_everywhere(ranks, world_size, sync_free):
+    bad = world_size - 1
+    for rank, steps in enumerate(ranks(world_size).run(_rank_unpermute_training, bad, sync_free, timeout=120)):
+        assert steps[0] == ("finite", False), (rank, steps)
+        text, nan_y = steps[1]
+        assert "injected final unpermute fault" in text and f"[{bad}]" in text, (rank, text)
+        assert text.startswith("RuntimeError:" if rank == bad else "PeerFailed:"), (rank, text)
+        assert nan_y is (rank == bad), (rank, steps)  # the failing rank's rows were NaN, the others' real
+        assert steps[2:] == [("finite", False)] * 2, (rank, steps)  # the same step on every rank again
