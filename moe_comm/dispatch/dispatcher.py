@@ -614,7 +614,9 @@ class Dispatcher:
         # (float64 stays float64); else y_NH is saved for backward when the weights need grad at the unpermute
         meta_w_TK = None
         if handle.rank_rows is not None:
-            meta_w_TK = topk_weight_TK.to(torch.float64 if topk_weight_TK.dtype == torch.float64 else torch.float32)
+            meta_dtype = torch.float64 if topk_weight_TK.dtype == torch.float64 else torch.float32
+            meta_w_TK, err = handle.transport.local(lambda: topk_weight_TK.to(meta_dtype), "slot weights")
+            failed = failed or err
         self._record_bytes(handle, x_TH, 0 if meta_w_TK is None else 2 * meta_w_TK.shape[1] * meta_w_TK.element_size())
         keep = torch.is_grad_enabled() and topk_weight_TK.requires_grad and meta_w_TK is None
         y_NH, side_out, expert_s = run_pipeline(self, handle, x_TH, expert_fn, side_fn, measure=measure,
