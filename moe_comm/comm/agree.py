@@ -93,8 +93,7 @@ def _all_gather_bytes(group: dist.ProcessGroup, payload: bytes, *, phase: str, r
     with issuing(group, phase, rank):
         work = dist.all_gather(every, mine, group=group, async_op=True)
     wait_work(work, phase, timeout=timeout, rank=rank, what="all_gather of the payloads", group=group, where=phase)
-    # host sync: construction-time agreement, the payloads are read on the host
-    return [bytes(t[:n].cpu().numpy().tobytes()) for t, n in zip(every, lengths)]
+    return [bytes(t[:n].cpu().numpy().tobytes()) for t, n in zip(every, lengths)]  # host sync: construction only
 
 
 def _decode(blob: bytes, r: int, group, phase: str, rank: int):
