@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 
 import moe_comm.ops
-from moe_comm.dispatch import dispatcher as _dispatcher
+from moe_comm.dispatch import control as _control
 from moe_comm.dispatch import send_rows, sync_free
 from moe_comm.dispatch.transport import AllToAll
 
@@ -89,7 +89,7 @@ def inject(kind: str, direction: str = "fwd"):
             return _scratch
         return _patched(AllToAll, "_scratch", make)
     if kind == "plan":
-        return _patched(_dispatcher, "build_chunk_plans", _raising("plan building", times=1))
+        return _patched(_control, "build_chunk_plans", _raising("plan building", times=1))
     if kind == "unpermute":
         return _patched(moe_comm.ops, "unpermute", _raising("final unpermute"))
     if kind == "sf_permute":
