@@ -172,13 +172,17 @@ def _rank_folded_step(rank, world_size, mismatch):
 
 
 @pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("mismatch", [False, True])
-def test_a_step_mismatch_older_than_the_unread_window_still_raises_at_check(ranks, mismatch):
-    for rank, outcome in enumerate(ranks(2).run(_rank_folded_step, mismatch)):
+def test_a_step_mismatch_older_than_the_unread_window_still_raises_at_check(ranks, world_size, mismatch):
+    last = world_size - 1
+    for rank, outcome in enumerate(ranks(world_size).run(_rank_folded_step, mismatch)):
         if mismatch:
-            # each rank names the rank whose step differs from its own, the call, and the cap on unread exchanges
+            # each rank names the ranks whose step differs from its own (the last rank: every other), the call,
+            # and the cap on unread exchanges
+            named = [r for r in range(world_size) if r != last] if rank == last else [last]
             assert outcome.startswith("PeerFailed:"), (rank, outcome)
-            assert f"EP rank(s) [{1 - rank}] failed, or disagreed with this rank, in call 2 " in outcome, outcome
+            assert f"EP rank(s) {named} failed, or disagreed with this rank, in call 2 " in outcome, outcome
             assert "more than 64 exchanges went unread" in outcome and "discard their outputs" in outcome
         else:
             assert outcome == "value", (rank, outcome)
