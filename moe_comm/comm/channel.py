@@ -82,6 +82,7 @@ class Channel:
         # A failure on this rank after a phase's closing exchange (the final unpermute, a placeholder-rows
         # path): raised here alone, and carried by this rank's next exchange so that every rank raises there.
         self.late: Optional[Tuple[BaseException, str]] = None  # (error, where)
+        self.late_call = -1  # the call whose last step failed (``carry``)
         # Sync-free mode (every exchange deferred): a read that finds this rank's forward paired with a peer's
         # backward (this rank skipped a backward its peers ran, so its collectives lag theirs by one phase) calls
         # ``resync`` to issue a placeholder backward, so every rank's collectives pair again. Set by the owner.
@@ -92,7 +93,7 @@ class Channel:
         """Send ``error`` (this rank's alone, in ``where``, after that call's last exchange) with this rank's next
         exchange: every rank raises there, this one with ``error``."""
         if self.world > 1 and self.late is None:
-            self.late = (kept(error), where)
+            self.late, self.late_call = (kept(error), where), self.call
 
     def begin(self, phase: Phase, hdr: List[int], *, dynamic: Optional[torch.Tensor] = None,
               slots_WS: Optional[torch.Tensor] = None, local_error: Optional[BaseException] = None,
@@ -104,10 +105,14 @@ class Channel:
         W, dev = self.world, self.device
         hdr = list(hdr)
         message = None if local_error is None else f"{type(local_error).__name__}: {local_error}"
-        if local_error is None and self.late is not None:
-            (local_error, where), self.late = self.late, None
-            failed, hdr[Word.CHUNK] = Failure.RAISED, EARLIER
-            message = f"{type(local_error).__name__} in {where}: {local_error}"
+        if self.late is not None:  # this exchange carries it (with this rank's own failure, if any, first)
+            (late, where), self.late = self.late, None
+            late_text = f"{type(late).__name__} in {where}: {late}"
+            if local_error is None:
+                local_error, message = late, late_text
+                failed, hdr[Word.CHUNK] = Failure.RAISED, EARLIER
+            else:
+                message = f"{message}; earlier, {late_text}"
         if W == 1 and dynamic is not None:
             dev = dynamic.device  # one process: no collective; stay on the rows' device (no copy to the host)
         hdr[Word.FAILED] = int(failed)

@@ -63,10 +63,17 @@ class CombineRows(torch.autograd.Function):
     def forward(ctx, y_RH, d: "Dispatcher", handle: DispatchHandle, keep: bool):
         ctx.d, ctx.handle = d, handle
         plan = handle.chunks[0]
-        out = y_RH.new_empty(plan.num_rows, y_RH.shape[1]) if keep else \
-            d.workspace.rows("combined", plan.num_rows, y_RH.shape[1], y_RH)
+        # The peers are in this transfer: a buffer that fails is made once more and the rows still go; the error
+        # is raised after it (combine()'s ``alone`` carries it to every rank's next exchange).
+        out, err = handle.transport.local(lambda: y_RH.new_empty(plan.num_rows, y_RH.shape[1]) if keep else
+                                          d.workspace.rows("combined", plan.num_rows, y_RH.shape[1], y_RH),
+                                          "receive buffer")
+        src, err2 = handle.transport.local(y_RH.contiguous, "contiguous rows")
         with d.workspace.dropped_on_error():
-            return handle.transport.to_tokens(y_RH.contiguous(), plan, out, phase="combine", direction="fwd").wait()
+            rows = handle.transport.to_tokens(src, plan, out, phase="combine", direction="fwd").wait()
+        if err or err2:
+            raise err or err2
+        return rows
 
     @staticmethod
     def backward(ctx, grad_NH):

@@ -10,6 +10,7 @@ device ops and one async all_reduce, no host sync].
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import weakref
@@ -365,7 +366,8 @@ class MoELayer(nn.Module):
         """Collective: read this layer's deferred exchanges now (one host sync); raises on every rank if any
         rank failed since the last read. With ``end_check="deferred"`` and in the sync-free mode
         (``max_tokens_per_rank``) failures of other ranks surface here or at the next read."""
-        self.dispatcher.check()
+        with _dropping_failed_loads([self]):
+            self.dispatcher.check()
 
     # ------------------------------------------------------------------------ load: monitor and bias
     def finish_bias_update(self) -> None:
@@ -628,7 +630,8 @@ class MoELayer(nn.Module):
             # Failed on this rank alone after the call's last exchange (the final unpermute; its peers returned and
             # issue the monitor's collective): issue it too, with zero counts, so the collectives stay paired; the
             # failure reaches the peers with this rank's next exchange. A failure every rank raised records nothing.
-            if not recompute and self.dispatcher.channel.late is not None:
+            channel = self.dispatcher.channel
+            if not recompute and channel.late is not None and channel.late_call == channel.call:
                 self._record_load(None)
             raise
         # After the dispatch: its counts exchange already made every rank raise on a bad input, so the
@@ -650,5 +653,18 @@ def check(module: nn.Module) -> None:
     layers = [m for m in module.modules() if isinstance(m, MoELayer)]
     if not layers:
         return
-    with layers[0].dispatcher.workspace.dropped_on_error():  # one workspace per process, shared by all layers
+    with layers[0].dispatcher.workspace.dropped_on_error(), _dropping_failed_loads(layers):  # one workspace per process
         read_deferred([m.dispatcher.channel for m in layers])
+
+
+@contextlib.contextmanager
+def _dropping_failed_loads(layers) -> None:
+    """A read that raises drops the layers' pending aux-loss-free bias step on every rank: in the sync-free mode
+    the load was summed inside an exchange that may have paired with a peer's other phase (a skipped backward),
+    so it can differ between ranks; applied, the replicated bias would drift apart."""
+    try:
+        yield
+    except Exception:
+        for m in layers:
+            m._pending_load = None
+        raise

@@ -278,3 +278,69 @@ def test_unpermute_fault_in_training_raises_in_the_same_step_everywhere(ranks, w
         assert text.startswith("RuntimeError:" if rank == bad else "PeerFailed:"), (rank, text)
         assert nan_y is (rank == bad), (rank, steps)  # the failing rank's rows were NaN, the others' real
         assert steps[2:] == [("finite", False)] * 2, (rank, steps)  # the same step on every rank again
+
+
+def _rank_late_then_rejected(rank, world_size, bad):
+    """A failure carried from call 1 (final unpermute, no grad) meets this rank's own rejected input in call 2:
+    that exchange carries both, every rank raises once, and nothing stays behind (before: the carried failure
+    stayed pending, the layer issued its monitor collective on that rank alone and the group timed out)."""
+    cfg = moe_comm.MoEConfig(hidden_size=H, ffn_hidden_size=16, num_experts=2 * world_size, top_k=2)
+    layer = moe_comm.MoELayer(cfg, seed=5, timeout=20.0)  # monitor on
+    x = torch.randn(6, H, generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        with inject("unpermute") if rank == bad else contextlib.nullcontext():
+            first = outcome_of(lambda: layer(x))
+        second = outcome_of(lambda: layer(torch.randn(6, H + 1) if rank == bad else x))
+        return first, second, outcome_of(lambda: layer(x)), outcome_of(lambda: layer(x))
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_carried_failure_meeting_a_rejected_input_raises_once(ranks, world_size):
+    bad = world_size - 1
+    for rank, (first, second, third, fourth) in enumerate(ranks(world_size).run(_rank_late_then_rejected, bad,
+                                                                                 timeout=120)):
+        assert ("injected" in first) == (rank == bad), (rank, first)
+        assert f"[{bad}]" in second and "hidden_size" in second and "injected final unpermute fault" in second, second
+        assert (third, fourth) == ("value", "value"), (rank, third, fourth)
+
+
+def _rank_combine_buffer_once(rank, world_size, bad):
+    """combine()'s receive buffer fails once on one rank: made again, the transfer goes (its peers are in it), the
+    rank raises after it and every rank raises at the next exchange (before: it left before the transfer and
+    its peer's process aborted in gloo)."""
+    E = 2 * world_size
+    d = moe_comm.Dispatcher(num_experts=E, timeout=20.0)
+    x, idx, w = _inputs(rank, E)
+    left = [1 if rank == bad else 0]
+    original = d.workspace.rows
+
+    def rows(name, *args, **kwargs):
+        if name == "combined" and left[0]:
+            left[0] -= 1
+            raise RuntimeError("injected combine buffer fault")
+        return original(name, *args, **kwargs)
+
+    with torch.no_grad():
+        out = d.dispatch(x, idx)
+        d.workspace.rows = rows
+        try:
+            first = outcome_of(lambda: d.combine(out.tokens * 2.0, w, out.handle))
+        finally:
+            d.workspace.rows = original
+
+        def call():
+            o = d.dispatch(x, idx)
+            torch.testing.assert_close(d.combine(o.tokens * 2.0, w, o.handle), 2 * w.sum(1, keepdim=True) * x)
+        return first, outcome_of(call), outcome_of(call)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_combine_buffer_fault_raises_after_the_transfer(ranks, world_size):
+    bad = world_size - 1
+    for rank, (first, second, third) in enumerate(ranks(world_size).run(_rank_combine_buffer_once, bad,
+                                                                         timeout=120)):
+        assert ("injected combine buffer fault" in first) == (rank == bad), (rank, first)
+        assert "injected combine buffer fault" in second and f"[{bad}]" in second, (rank, second)
+        assert third == "value", (rank, third)

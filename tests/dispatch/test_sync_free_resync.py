@@ -53,7 +53,8 @@ def _rank_skip(rank, world_size, with_layer):
         moe_comm.check(layer)
         hist = layer.monitor.history()
         # every step but the mis-paired one (its exchange met a backward: the peers' words were missing)
-        monitor = (hist["steps"], [c for s, c in zip(hist["steps"], hist["tokens_per_expert"]) if s != SKIP + 1])
+        monitor = (hist["steps"], [c for s, c in zip(hist["steps"], hist["tokens_per_expert"]) if s != SKIP + 1],
+                   layer.router.expert_bias.tolist())  # the replicated bias stays equal (the failed step's dropped)
     return out, monitor
 
 
