@@ -10,7 +10,6 @@ device ops and one async all_reduce, no host sync].
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import weakref
@@ -28,37 +27,16 @@ from moe_comm.comm.collectives import group_device, group_rank, group_size, reso
 from moe_comm.config import MoEConfig
 from moe_comm.dispatch.dispatcher import Dispatcher
 from moe_comm.modules.checkpoint import ExpertKeyPath, dcp_fqn_modifiers
+from moe_comm.modules.layer_load import LayerLoad, dropping_failed_loads, finish_bias_update_hook, make_monitor
 from moe_comm.modules.experts import GroupedExperts, PlacedExperts, SwiGLU, _init_expert_
 from moe_comm._recompute import checkpoint_mode, forget_bias, in_backward, input_key
 from moe_comm.modules.wrappers import data_parallel_error
-from moe_comm.monitor.load import GlobalCounts, LoadMonitor, load_payload, reduce_counts
+from moe_comm.monitor.load import GlobalCounts, LoadMonitor
 from moe_comm.placement.apply import physical_topk, relayout_slots, replica_tables, sync_replica_grads
 from moe_comm.placement.planner import Placement, plan_placement
-from moe_comm.routing import Router, count_tokens
+from moe_comm.routing import Router
 
 __all__ = ["MoELayer"]
-
-def _make_monitor(monitor, num_experts: int, num_ranks: int) -> Optional[LoadMonitor]:
-    if monitor is None or monitor is False:
-        return None
-    if monitor is True:
-        return LoadMonitor(num_experts, num_ranks=num_ranks)
-    if isinstance(monitor, dict):
-        return LoadMonitor(num_experts, num_ranks=num_ranks, **monitor)
-    if isinstance(monitor, LoadMonitor):
-        if (monitor.num_experts, monitor.num_ranks) != (num_experts, num_ranks):
-            raise ValueError(f"monitor must be built for num_experts={num_experts}, num_ranks={num_ranks} (the "
-                             f"layer's E and EP size), got {monitor.num_experts}, {monitor.num_ranks}")
-        return monitor
-    raise TypeError(f"monitor must be True, False/None, a dict of LoadMonitor options or a LoadMonitor, "
-                    f"got {type(monitor).__name__}")
-
-
-def _finish_bias_update_hook(module: "MoELayer", *args, **kwargs) -> None:
-    # Before state_dict: a saved bias includes the last training forward's step. Before load_state_dict:
-    # the step is applied (its all_reduce consumed) before the loaded bias replaces it, not after.
-    module.finish_bias_update()
-
 
 def _check_data_parallel_hook(module: "MoELayer", args) -> None:
     # A DDP / FSDP2 wrapper that mixes different EP ranks' experts: every rank raises (through the
@@ -99,7 +77,7 @@ def _resolve_dp_group(ep_group, dp_group) -> Optional[dist.ProcessGroup]:
     return resolve_group(dp_group, dim="dp", name="MoELayer: dp_group")
 
 
-class MoELayer(nn.Module):
+class MoELayer(LayerLoad, nn.Module):
     """A Mixture-of-Experts feed-forward layer with expert parallelism.
 
     ``y = sum over the K chosen experts of weight * y_e(x)`` (+ shared experts), where global expert g
@@ -234,7 +212,7 @@ class MoELayer(nn.Module):
         self.cfg = cfg
         e = cfg.num_experts // W
         self.bias_update_rate = float(bias_update_rate)
-        self.monitor: Optional[LoadMonitor] = _make_monitor(monitor, cfg.num_experts, W)
+        self.monitor: Optional[LoadMonitor] = make_monitor(monitor, cfg.num_experts, W)
         if seed is None:  # a CPU draw (also under ``with torch.device("meta")``): no host sync
             seed = int(torch.randint(0, 2 ** 62, (), device="cpu").item())  # host sync: none, CPU draw
         self._seed = seed
@@ -261,8 +239,8 @@ class MoELayer(nn.Module):
         # The bias each checkpointed training forward routed with, by input, for its recompute (with
         # bias_update_rate > 0); an entry lives as long as its input tensor.
         self._bias_for_recompute: Dict[tuple, torch.Tensor] = {}
-        self.register_state_dict_pre_hook(_finish_bias_update_hook)
-        self.register_load_state_dict_pre_hook(_finish_bias_update_hook)
+        self.register_state_dict_pre_hook(finish_bias_update_hook)
+        self.register_load_state_dict_pre_hook(finish_bias_update_hook)
 
     @torch.no_grad()
     def _init_replicated(self) -> None:
@@ -366,68 +344,8 @@ class MoELayer(nn.Module):
         """Collective: read this layer's deferred exchanges now (one host sync); raises on every rank if any
         rank failed since the last read. With ``end_check="deferred"`` and in the sync-free mode
         (``max_tokens_per_rank``) failures of other ranks surface here or at the next read."""
-        with _dropping_failed_loads([self]):
+        with dropping_failed_loads([self]):
             self.dispatcher.check()
-
-    # ------------------------------------------------------------------------ load: monitor and bias
-    def finish_bias_update(self) -> None:
-        """Apply the pending aux-loss-free bias step (no-op when none is pending).
-
-        Waits for the last training forward's global-load all_reduce (``work.wait``: the CPU waits for
-        gloo's worker; on NCCL the stream waits, no host sync), then
-        ``expert_bias += rate * sign(mean(load) - load)``. Runs at the start of every forward, before
-        ``apply_placement`` and before ``state_dict()``.
-        """
-        pending, self._pending_load = self._pending_load, None
-        if pending is None:
-            return
-        with torch.no_grad():
-            load_E = pending.wait()  # float64 [E], identical on every rank
-            step_E = torch.sign(load_E.mean() - load_E) * self.bias_update_rate
-            self.router.expert_bias.add_(step_E.to(self.router.expert_bias.dtype))
-
-    @torch.no_grad()
-    def _record_load(self, routing) -> None:
-        """Tokens per logical expert of this forward, summed over EP x DP (the global batch) -> the monitor
-        and/or the pending bias update. Device ops, one async all_reduce over the EP group and, with a
-        dp_group, one more over it (chained on the first: NCCL orders it on the stream, gloo waits for the
-        small first one); no host sync."""
-        update_bias = self.training and self.bias_update_rate > 0
-        if self.monitor is None and not update_bias:
-            return
-        group = self.ep_group if self.world_size > 1 else None
-        dp_group = self.dp_group if group_size(self.dp_group) > 1 else None
-        timeout = self.dispatcher.timeout
-        if self.dispatcher.summed_words:  # summed over EP in the forward's exchange (a failed rank sent zeros)
-            sum_X = self.dispatcher.last_sum.clone()
-            if self.monitor is not None:
-                handle = self.monitor.record(sum_X, None, dp_group, timeout=timeout, rank=group_rank(self.ep_group))
-            else:
-                handle = reduce_counts(sum_X[:self.cfg.num_experts], None, dp_group=dp_group, timeout=timeout,
-                                       phase="bias update (global expert load)")
-            if update_bias:
-                self._pending_load = handle
-            return
-        if routing is None:  # this rank failed alone: zero counts keep the collective paired with the peers'
-            counts_E = torch.zeros(self.cfg.num_experts, dtype=torch.int64, device=self.experts.w1.device)
-            dropped, scores = 0, None
-        else:
-            counts_E, dropped = count_tokens(routing.topk_idx_TK, self.cfg.num_experts, routing.token_mask_T)
-            scores = routing.scores_TE
-        if self.monitor is not None:
-            handle = self.monitor.observe(counts_E, dropped, scores, group=group, dp_group=dp_group,
-                                          timeout=timeout)
-        else:
-            handle = reduce_counts(counts_E, group, dp_group=dp_group, timeout=timeout,
-                                   phase="bias update (global expert load)")
-        if update_bias:
-            self._pending_load = handle
-
-    def _load_payload(self, routing) -> torch.Tensor:
-        """This rank's load statistics of a forward as the [2E + 2] float64 words its exchange sums (counts, dropped
-        slots, probability sums, tokens: ``LoadMonitor.payload``)."""
-        counts_E, dropped = count_tokens(routing.topk_idx_TK, self.cfg.num_experts, routing.token_mask_T)
-        return load_payload(counts_E, dropped, routing.scores_TE if self.monitor is not None else None)
 
     # ------------------------------------------------------------------------------------ placement
     def apply_placement(self, placement: Placement, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
@@ -653,18 +571,5 @@ def check(module: nn.Module) -> None:
     layers = [m for m in module.modules() if isinstance(m, MoELayer)]
     if not layers:
         return
-    with layers[0].dispatcher.workspace.dropped_on_error(), _dropping_failed_loads(layers):  # one workspace per process
+    with layers[0].dispatcher.workspace.dropped_on_error(), dropping_failed_loads(layers):  # one workspace per process
         read_deferred([m.dispatcher.channel for m in layers])
-
-
-@contextlib.contextmanager
-def _dropping_failed_loads(layers) -> None:
-    """A read that raises drops the layers' pending aux-loss-free bias step on every rank: in the sync-free mode
-    the load was summed inside an exchange that may have paired with a peer's other phase (a skipped backward),
-    so it can differ between ranks; applied, the replicated bias would drift apart."""
-    try:
-        yield
-    except Exception:
-        for m in layers:
-            m._pending_load = None
-        raise
