@@ -57,9 +57,7 @@ def call_sync_free(d, x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn, loc
     counts_We = layout.counts_CWe[0] if W == 1 else pending.recv_WX[:, base:base + e]
     if layout is not None:
         counts_We = to_device(counts_We, layout_device(layout))
-    plan = ChunkPlan(chunk=0, call=pending.call, send_We=[[P] + [0] * (e - 1)] * W,
-                     recv_We=[[P] + [0] * (e - 1)] * W, row_offset=0, tokens_per_expert_e=counts_We.sum(0),
-                     counts_e=None)
+    plan = _padded_plan(W, e, P, pending.call, counts_We.sum(0))
     # From here on no exception leaves this rank before the call's last exchange (W > 1): a failure moves zero
     # rows like a rejected input and travels in the end-of-forward exchange (read at check()).
     failed, lay, x_in = pending.local_error, None, None
@@ -136,15 +134,19 @@ def placeholder_backward(d) -> None:
     call = d.channel.call
     note = RuntimeError(f"EP rank {d.rank} skipped a backward its peers ran (sync-free mode); moe_comm issued a "
                         "placeholder backward to pair its collectives with theirs again")
-    plan = ChunkPlan(chunk=0, call=call, send_We=[[P] + [0] * (e - 1)] * W, recv_We=[[P] + [0] * (e - 1)] * W,
-                     row_offset=0, tokens_per_expert_e=torch.zeros(e, dtype=torch.int64), counts_e=None)
+    plan = _padded_plan(W, e, P, call, torch.zeros(e, dtype=torch.int64))
     transport = d.transport(AllToAll)
-    device = d.timeline.device
-    rows = torch.zeros(W * P, H, dtype=dtype, device=device)
-    for phase in (Phase.BACKWARD, None, Phase.BACKWARD_END):
-        if phase is None:
-            back = transport.to_experts(rows, plan, phase="combine", direction="bwd").wait()
-            transport.to_tokens(back, plan, torch.empty_like(rows), phase="dispatch", direction="bwd").wait()
-            continue
-        hdr = d._header(phase, call, 1)
-        d.channel.wait(d.channel.begin(phase, hdr, local_error=note, failed=Failure.RAISED))
+    rows = torch.zeros(W * P, H, dtype=dtype, device=d.timeline.device)
+    d.channel.wait(d.channel.begin(Phase.BACKWARD, d._header(Phase.BACKWARD, call, 1), local_error=note,
+                                   failed=Failure.RAISED))
+    back = transport.to_experts(rows, plan, phase="combine", direction="bwd").wait()
+    transport.to_tokens(back, plan, torch.empty_like(rows), phase="dispatch", direction="bwd").wait()
+    d.channel.wait(d.channel.begin(Phase.BACKWARD_END, d._header(Phase.BACKWARD_END, call, 1), local_error=note,
+                                   failed=Failure.RAISED))
+
+
+def _padded_plan(W: int, e: int, P: int, call: int, tokens_per_expert_e: torch.Tensor) -> ChunkPlan:
+    """The one chunk of a sync-free call: P rows to and from every rank (the regroup index is set by the caller)."""
+    blocks_We = [[P] + [0] * (e - 1)] * W
+    return ChunkPlan(chunk=0, call=call, send_We=blocks_We, recv_We=blocks_We, row_offset=0,
+                     tokens_per_expert_e=tokens_per_expert_e, counts_e=None)

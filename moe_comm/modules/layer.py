@@ -188,7 +188,7 @@ class MoELayer(LayerLoad, nn.Module):
         # Sync-free mode: the load statistics travel in the forward's control exchange (no all_reduce of their
         # own), so every phase is the same four fixed-size collectives: a rank that skipped a backward can be
         # realigned (``sync_free.placeholder_backward``) instead of pairing an all_reduce with an all-to-all.
-        counts_in_exchange = (cfg.max_tokens_per_rank is not None and W > 1 and local_error is None
+        counts_in_exchange = (cfg.max_tokens_per_rank is not None and W > 1
                               and (self.monitor is not None or self.bias_update_rate > 0))
         self.dispatcher = Dispatcher(cfg.num_experts, self.ep_group, cfg.num_chunks, backend=backend,
                                      strict=strict, timeout=timeout, end_check=end_check,
