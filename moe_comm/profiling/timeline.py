@@ -1,7 +1,7 @@
 """Timeline: timed spans of compute and communication, hidden vs exposed comm, Chrome traces.
 
 A ``Span`` is one timed interval on one rank: (rank, layer, phase, chunk, kind, direction, start,
-end, track). Times are seconds on the ``time.perf_counter`` clock (CUDA spans: the GPU clock, shifted
+end, track, step, name). Times are seconds on the ``time.perf_counter`` clock (CUDA spans: the GPU clock, shifted
 onto that clock, see below). A ``Timeline`` records spans with almost no cost when disabled:
 
     tl = Timeline(rank=r, layer=0, enabled=True)           # device="cuda" for CUDA event timing
@@ -12,7 +12,7 @@ onto that clock, see below). A ``Timeline`` records spans with almost no cost wh
     tl.comm("dispatch", work, chunk=c, start=t0)           # ends when the collective COMPLETES
     ...
     spans = tl.gather()                                    # every rank's spans, on every rank
-    print(format_report(overlap_report(spans)))
+    print(format_report(overlap_report(spans)))            # per step; step 0 (warm-up) left out
     to_chrome_trace(spans, "trace.json")                   # open in https://ui.perfetto.dev
 
 How a comm span knows when the collective completed (shared/DESIGN.md "Measuring overlap honestly"):
@@ -43,6 +43,13 @@ torch.profiler labels: ``compute`` and ``region`` wrap their block in
 is running (a ~0.1 us check), so a user's torch.profiler trace shows our phases without enabling the
 timeline. record_function itself costs ~6 us per call, which is why it is skipped otherwise.
 
+Steps: every span carries ``step``, the timeline's step counter when it was recorded. A step is one
+forward and the backward that follows: the counter advances when a forward span is recorded after a
+backward one (outside autograd's backward, so an activation-checkpointing recompute stays in its step),
+at ``next_step()`` (forward-only loops), and at ``reset()``. Step 0 is the timeline's first recorded
+step, which ``overlap_report`` takes for warm-up (lazy init, kernel builds); after a ``reset()`` no step
+is numbered 0. ``name``: the layer's module path (``model_timelines`` sets it), "" when unnamed.
+
 What is done with the spans lives next door: ``analysis.py`` (``overlap_report``: hidden vs exposed comm)
 and ``export.py`` (``format_report``, ``to_chrome_trace``), pure functions of a list of spans.
 """
@@ -59,6 +66,8 @@ import torch.distributed as dist
 from moe_comm._checks import check_choice, check_float, check_int
 
 __all__ = ["Span", "Timeline", "check_spans", "KINDS", "DIRECTIONS"]
+
+_graph_task_id = torch._C._current_graph_task_id  # -1 outside autograd's backward
 
 KINDS = ("compute", "comm", "region")  # region: an envelope ("forward", "backward"), outside the maths
 DIRECTIONS = ("fwd", "bwd")
@@ -80,6 +89,8 @@ class Span:
     "experts", "combine", "unpermute", "shared", "forward", "backward", ... chunk: micro-chunk, -1 if
     n/a. kind: "compute" | "comm" | "region". direction: "fwd" | "bwd". start, end: seconds on the
     ``time.perf_counter`` clock. track: the row it is drawn on ("compute", "comm", "region" by default).
+    step: the recording timeline's step (0: its first, taken for warm-up). name: the layer's module path
+    ("layers.3.moe"), "" when unnamed.
     """
 
     rank: int
@@ -91,6 +102,8 @@ class Span:
     start: float
     end: float
     track: str
+    step: int = 0
+    name: str = ""
 
     @property
     def duration(self) -> float:
@@ -163,9 +176,9 @@ class _PendingComm:
 
 
 def _make_span(rank: int, meta: tuple, start: float, end: float) -> Span:
-    layer, phase, chunk, kind, direction, track = meta
+    layer, phase, chunk, kind, direction, track, step, name = meta
     return Span(rank=rank, layer=layer, phase=phase, chunk=chunk, kind=kind, direction=direction,
-                start=start, end=end, track=track)
+                start=start, end=end, track=track, step=step, name=name)
 
 
 class Timeline:
@@ -178,15 +191,23 @@ class Timeline:
         enabled: record spans (False by default). May be toggled at any time.
         device: "cpu" (host ``perf_counter`` stamps, gloo future callbacks) or "cuda" (CUDA timing events
             on the current stream, resolved lazily). Pass the device of the layer's tensors.
+        name: the layer's module path, stamped on every span ("": unnamed; ``model_timelines`` names them).
+    Attributes: ``step``, the step the next span belongs to (module docstring, "Steps").
 
     Not thread-safe for concurrent ``compute`` blocks of one timeline from several threads beyond what
     list appends give (each span is appended atomically).
     """
 
-    def __init__(self, rank: int = 0, layer: int = 0, enabled: bool = False, *, device: Any = "cpu"):
+    def __init__(self, rank: int = 0, layer: int = 0, enabled: bool = False, *, device: Any = "cpu",
+                 name: str = ""):
         self.rank = check_int("Timeline: rank", rank, 0)
         self.layer = check_int("Timeline: layer", layer)
+        if not isinstance(name, str):
+            raise TypeError(f"Timeline: name must be a str (a module path), got {type(name).__name__}")
+        self.name = name
         self.enabled = bool(enabled)
+        self.step = 0
+        self._last_direction = ""  # of the last span recorded: a forward after a backward opens a step
         self.device = device
         self._done: List[Span] = []
         self._pending_comm: List[_PendingComm] = []
@@ -217,8 +238,14 @@ class Timeline:
         check_int("chunk (-1: not chunked)", chunk, -1)
         if layer is not None:
             check_int("layer", layer)
+        # A forward span after a backward one opens the next step; inside autograd's backward every span
+        # (an activation-checkpointing recompute too) belongs to the backward of the current step.
+        side = "bwd" if direction == "bwd" or _graph_task_id() != -1 else "fwd"
+        if side == "fwd" and self._last_direction == "bwd":
+            self.step += 1
+        self._last_direction = side
         return (self.layer if layer is None else layer, phase, chunk, kind, direction,
-                kind if track is None else track)
+                kind if track is None else track, self.step, self.name)
 
     def compute(self, phase: str, chunk: int = -1, direction: str = "fwd", *, layer: Optional[int] = None,
                 track: Optional[str] = None):
@@ -363,8 +390,16 @@ class Timeline:
         return sorted(self._done, key=lambda s: (s.start, s.end))
 
     def reset(self) -> None:
-        """Forget every span, finished or pending (e.g. between steps)."""
+        """Forget every span, finished or pending, and open a new step: call it after the warm-up steps,
+        and the spans that follow are all counted (none is numbered step 0, the warm-up)."""
         self._done, self._pending_comm, self._pending_cuda = [], [], []
+        self.next_step()
+
+    def next_step(self) -> None:
+        """Open a new step: the spans recorded from now on carry ``step + 1``. Backward-then-forward does
+        this by itself; call it between the steps of a forward-only loop."""
+        self.step += 1
+        self._last_direction = ""
 
     def gather(self, group: Optional[dist.ProcessGroup] = None, timeout: float = 10.0) -> List[Span]:
         """Every rank's spans, on every rank, sorted by (rank, start). Collective: call it on all ranks

@@ -1,10 +1,12 @@
 """Timeline tests.
 
 Tier 1 (pure logic, no processes): interval maths and ``overlap_report`` on hand-computed synthetic
-spans, Chrome trace JSON, ``format_report``, the disabled-path cost, profiler labels, and the future
-callback mechanism on a hand-completed ``torch.futures.Future``.
+spans (per step, warm-up step left out, fwd + bwd = all), Chrome trace JSON, ``format_report``, the
+disabled-path cost, profiler labels, step numbering, the future callback mechanism on a hand-completed
+``torch.futures.Future``, and a two-layer model's report named by module path (one process).
 Tier 2 (multi-rank gloo, 2 ranks): a comm span ends when the all-to-all COMPLETES, not when it is
-issued; hidden vs exposed comm measured on a real async all-to-all; ``gather`` on every rank.
+issued; hidden vs exposed comm measured on a real async all-to-all; ``gather`` on every rank; a
+two-layer model's spans gathered from both ranks with ``gather_spans``.
 """
 from __future__ import annotations
 
@@ -15,14 +17,15 @@ import time
 import pytest
 import torch
 
-from moe_comm.profiling import Span, Timeline, format_report, overlap_report, to_chrome_trace
+from moe_comm.profiling import (Span, Timeline, format_report, gather_spans, model_timelines, overlap_report,
+                                to_chrome_trace)
 from moe_comm.profiling.analysis import _intersection, _length, _union
 
 
-def S(rank, kind, start, end, phase=None, layer=0, direction="fwd", chunk=-1, track=None):
+def S(rank, kind, start, end, phase=None, layer=0, direction="fwd", chunk=-1, track=None, step=0, name=""):
     phase = phase or {"compute": "experts", "comm": "dispatch", "region": "forward"}[kind]
     return Span(rank=rank, layer=layer, phase=phase, chunk=chunk, kind=kind, direction=direction,
-                start=float(start), end=float(end), track=track or kind)
+                start=float(start), end=float(end), track=track or kind, step=step, name=name)
 
 
 def approx(x):
@@ -161,6 +164,79 @@ def test_format_report_is_short_and_readable():
     assert len(text.splitlines()) < 30
 
 
+def _three_steps():
+    """Rank 0, layer 0: step 0 (warm-up, 10 s of compute), then two steps of fwd and bwd:
+    step 1 fwd: compute [100,102], comm [101,104] -> T_compute 2, T_comm 3, hidden 1, T_step 4, wall 4;
+           bwd: compute [105,106], comm [105.5,106.5] -> 1, 1, 0.5, 1.5, wall 1.5;
+    step 2 fwd: compute [200,204], comm [201,202] -> 4, 1, 1, 4, wall 4;
+           bwd: compute [205,207], comm [206,209] -> 2, 3, 1, 4, wall 4."""
+    return [S(0, "compute", 0, 10, step=0), S(0, "comm", 0, 1, step=0),
+            S(0, "compute", 100, 102, step=1), S(0, "comm", 101, 104, step=1),
+            S(0, "compute", 105, 106, direction="bwd", step=1), S(0, "comm", 105.5, 106.5, direction="bwd", step=1),
+            S(0, "compute", 200, 204, step=2), S(0, "comm", 201, 202, step=2),
+            S(0, "compute", 205, 207, direction="bwd", step=2), S(0, "comm", 206, 209, direction="bwd", step=2)]
+
+
+def test_report_is_per_step_without_the_warmup_step():
+    """Tier 1: figures are means over the steps, not sums; step 0 (the timeline's first step: warm-up) is
+    left out when later steps exist, and the report says so; fwd + bwd = all in every additive column."""
+    rep = overlap_report(_three_steps())
+    assert rep["steps"] == 2 and rep["step_ids"] == [1, 2] and rep["warmup"] == "excluded" and rep["per_step"]
+    fwd, bwd = rep["directions"]
+    assert (fwd["direction"], bwd["direction"]) == ("fwd", "bwd")
+    want_fwd = {"T_compute": 3, "T_comm": 2, "hidden": 1, "exposed": 1, "T_step": 4, "wall": 4}
+    want_bwd = {"T_compute": 1.5, "T_comm": 2, "hidden": 0.75, "exposed": 1.25, "T_step": 2.75, "wall": 2.75}
+    for k in want_fwd:
+        assert fwd[k] == approx(want_fwd[k]) and bwd[k] == approx(want_bwd[k]), k
+    assert fwd["overlap_fraction"] == approx(0.5) and bwd["overlap_fraction"] == approx(0.5)
+    o = rep["overall"]
+    for k in ("T_compute", "T_comm", "hidden", "exposed", "T_step"):
+        assert o[k] == approx(fwd[k] + bwd[k]), k                    # all = fwd + bwd
+    assert o["wall"] == approx((6.5 + 9) / 2)                       # per step: first start to last end
+    assert o["num_spans"] == 8 and o["per_rank"][0]["T_comm"] == approx(4)
+    assert [(L["layer"], L["direction"]) for L in rep["layers"]] == [(0, "fwd"), (0, "bwd")]
+    phases = {(p["phase"], p["kind"]): p for p in o["phases"]}
+    assert phases[("dispatch", "comm")]["time"] == approx(4) and phases[("dispatch", "comm")]["count"] == 2
+
+    sums = overlap_report(_three_steps(), per_step=False)            # the sums over the counted steps
+    assert sums["overall"]["T_compute"] == approx(9) and sums["overall"]["wall"] == approx(15.5)
+    assert sums["overall"]["phases"][0]["count"] == 4
+    kept = overlap_report(_three_steps(), skip_warmup=False)
+    assert kept["warmup"] == "included" and kept["step_ids"] == [0, 1, 2]
+    assert kept["overall"]["T_compute"] == approx((10 + 9) / 3)
+    only0 = overlap_report(_three_steps()[:2])                       # step 0 alone: kept, and flagged
+    assert only0["warmup"] == "included" and only0["steps"] == 1 and only0["overall"]["T_compute"] == approx(10)
+    after_reset = overlap_report(_three_steps()[2:])                 # no step 0: nothing left out
+    assert after_reset["warmup"] == "none" and after_reset["step_ids"] == [1, 2]
+
+    text = format_report(rep)
+    assert "ms per step, mean over 2 steps (1-2) and 1 rank" in text and "step 0 left out" in text
+    assert "fwd+bwd" in text and "fwd+bwd = fwd + bwd" in text       # the legend says what the rows are
+    assert "step 0 counted" in format_report(only0) and "step 0" not in format_report(after_reset)
+    assert "summed over steps" in format_report(sums)
+
+
+def test_report_names_layers_and_sums_them():
+    """Tier 1: rows are named by the spans' module paths; 'all' rows per direction appear with two layers
+    and equal the layers' sum (the layers run one after the other)."""
+    a, b = "layers.0.moe", "layers.1.moe"
+    spans = [S(0, "compute", 0, 2, layer=0, name=a, step=1), S(0, "comm", 1, 4, layer=0, name=a, step=1),
+             S(0, "compute", 5, 6, layer=1, name=b, step=1), S(0, "comm", 5, 5.5, layer=1, name=b, step=1),
+             S(0, "compute", 7, 9, layer=1, name=b, direction="bwd", step=1),
+             S(0, "compute", 10, 11, layer=0, name=a, direction="bwd", step=1),
+             S(0, "comm", 10.5, 12, layer=0, name=a, direction="bwd", step=1)]
+    rep = overlap_report(spans)
+    assert [(L["name"], L["direction"]) for L in rep["layers"]] == [(a, "fwd"), (a, "bwd"), (b, "fwd"), (b, "bwd")]
+    for d in rep["directions"]:
+        rows = [L for L in rep["layers"] if L["direction"] == d["direction"]]
+        for k in ("T_compute", "T_comm", "hidden", "exposed", "T_step"):
+            assert d[k] == approx(sum(L[k] for L in rows)), (d["direction"], k)
+    text = format_report(rep)
+    assert a in text and b in text
+    lines = [ln for ln in text.splitlines() if ln.startswith("│ all")]
+    assert [ln.split("│")[2].strip() for ln in lines] == ["fwd", "bwd", "fwd+bwd"]
+
+
 # ============================================================ tier 1: recording
 def test_disabled_timeline_costs_nothing():
     """Tier 1: 100k disabled compute spans and 100k disabled comm spans each take < 0.2 s, allocate no
@@ -227,6 +303,44 @@ def test_bad_arguments_name_the_argument():
     with pytest.raises(TypeError, match=r"start \(a perf_counter float from mark\(\).*got 'now'"):
         tl.comm("dispatch", None, start="now")
     assert tl.spans() == []
+
+
+def test_timeline_numbers_steps():
+    """Tier 1: a forward span after a backward one opens the next step; a forward span inside autograd's
+    backward (a checkpoint recompute) stays in its step; next_step() and reset() open one."""
+    tl = Timeline(enabled=True, name="layers.0.moe")
+
+    def fwd():
+        with tl.compute("router"):
+            pass
+
+    def bwd():
+        with tl.compute("experts", direction="bwd"):
+            pass
+
+    class Recomputed(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            fwd()                                                  # the recomputed forward, inside backward
+            bwd()
+            return g
+
+    fwd(), bwd(), fwd()                                            # steps 0, 0, 1
+    tl.next_step()
+    fwd()                                                          # 2
+    Recomputed.apply(torch.ones(1, requires_grad=True)).sum().backward()  # 2, 2
+    fwd()                                                          # 3
+    assert [s.step for s in tl.spans()] == [0, 0, 1, 2, 2, 2, 3]
+    assert {s.name for s in tl.spans()} == {"layers.0.moe"}
+    tl.reset()
+    fwd()
+    assert [s.step for s in tl.spans()] == [4]                     # after reset(): never step 0
+    with pytest.raises(TypeError, match="name must be a str"):
+        Timeline(name=3)
 
 
 class _FakeWork:
@@ -392,3 +506,86 @@ def test_gloo_hidden_and_exposed_comm(ranks):
     r1 = layer["per_rank"][1]
     assert r1["hidden"] == approx(0) and r1["T_comm"] < 0.3
     assert "dispatch" in format_report(rep)
+
+
+# ============================================================ tier 1: a model's layers, one process
+def _two_layer_model(num_chunks=2):
+    import moe_comm
+
+    cfg = moe_comm.MoEConfig(hidden_size=16, ffn_hidden_size=16, num_experts=4, top_k=2, num_chunks=num_chunks)
+
+    class Block(torch.nn.Module):
+        def __init__(self, seed):
+            super().__init__()
+            self.moe = moe_comm.MoELayer(cfg, seed=seed)
+
+        def forward(self, x):
+            return x + self.moe(x)
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([Block(0), Block(1)])
+    return model
+
+
+def _train_steps(model, steps, seed=0):
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+    for _ in range(steps):
+        y = x
+        for block in model.layers:
+            y = block(y)
+        y.square().mean().backward()
+
+
+def test_two_layer_model_report_names_module_paths():
+    """Tier 1: model_timelines names each MoELayer's timeline by its module path; three steps give a report
+    of steps 1-2 (step 0, with the first call's lazy init, left out) whose rows are those paths; all = fwd +
+    bwd; after reset() every step counts."""
+    model = _two_layer_model()
+    tls = model_timelines(model, enabled=True)
+    assert list(tls) == ["layers.0.moe", "layers.1.moe"]
+    assert [(tl.layer, tl.name) for tl in tls.values()] == [(0, "layers.0.moe"), (1, "layers.1.moe")]
+    assert tls["layers.1.moe"] is model.layers[1].moe.timeline
+    _train_steps(model, 3)
+    rep = overlap_report(gather_spans(tls))
+    assert rep["warmup"] == "excluded" and rep["step_ids"] == [1, 2]
+    assert {(L["name"], L["direction"]) for L in rep["layers"]} == \
+        {(n, d) for n in ("layers.0.moe", "layers.1.moe") for d in ("fwd", "bwd")}
+    fwd, bwd = rep["directions"]
+    for k in ("T_compute", "T_comm", "hidden", "exposed", "T_step"):
+        assert rep["overall"][k] == pytest.approx(fwd[k] + bwd[k], rel=1e-9, abs=1e-12), k
+    experts = {(p["phase"], p["kind"]): p for p in rep["overall"]["phases"]}[("experts", "compute")]
+    assert experts["count"] == 2 * 2 * 2                           # per step: 2 layers x 2 chunks x fwd, bwd
+    text = format_report(rep)
+    assert "layers.0.moe" in text and "layers.1.moe" in text and "step 0 left out" in text
+
+    for tl in tls.values():
+        tl.reset()
+    _train_steps(model, 1)
+    rep = overlap_report(gather_spans(tls))
+    assert rep["warmup"] == "none" and rep["steps"] == 1
+
+    shared = _two_layer_model()
+    shared.layers[1].moe.dispatcher.timeline = shared.layers[0].moe.timeline
+    with pytest.raises(ValueError, match="'layers.0.moe' and 'layers.1.moe' share one Timeline"):
+        model_timelines(shared)
+    with pytest.raises(ValueError, match="holds no module with a Timeline"):
+        model_timelines(torch.nn.Linear(2, 2))
+
+
+# ============================================================ tier 2: a model's layers, 2 ranks
+def _model_rank(rank, world_size):
+    model = _two_layer_model(num_chunks=1)
+    tls = model_timelines(model, enabled=True)
+    _train_steps(model, 2, seed=rank)
+    return overlap_report(gather_spans(tls))
+
+
+@pytest.mark.multirank
+def test_gather_spans_of_a_two_layer_model(ranks):
+    """Tier 2: every rank gets both ranks' spans of both layers in one exchange; step 0 left out."""
+    rep0, rep1 = ranks(2).run(_model_rank)
+    for rep in (rep0, rep1):
+        assert rep["warmup"] == "excluded" and rep["step_ids"] == [1]
+        assert {L["name"] for L in rep["layers"]} == {"layers.0.moe", "layers.1.moe"}
+        assert all(L["num_ranks"] == 2 for L in rep["layers"])
+    assert rep0["overall"]["num_spans"] == rep1["overall"]["num_spans"]

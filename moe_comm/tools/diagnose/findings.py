@@ -143,7 +143,7 @@ def diagnose(result: Dict[str, Any]) -> Diagnosis:
     if not spans:
         raise ValueError("result['spans'] is empty: nothing was recorded (was the timeline enabled?)")
     steps = result["steps"]
-    report = overlap_report(spans)
+    report = overlap_report(spans, per_step=False)  # sums over the timed steps: divided by ``steps`` below
     windows = _step_windows(spans)
     ctx = _Ctx(result=result, spans=spans, report=report, ranks_info=sorted(result["ranks"], key=lambda d: d["rank"]),
                windows=windows, steps=steps, step_s=_mean(windows.values()) / steps,
