@@ -6,6 +6,7 @@ on this rank, K top-k, T tokens, W EP world size.
     n = moe_comm.hf.swap_moe_blocks(model, ep_group)   # every sparse MoE block -> an MoELayer, in place
     layer = moe_comm.hf.from_hf(model.model.layers[0].mlp, ep_group)   # one block
     moe_comm.hf.to_hf(layer, block)                    # weights back into an HF block (collective)
+    moe_comm.hf.to_hf(model, hf_model)                 # a whole swapped model back into an HF model (collective)
 
 Supported blocks (``transformers`` >= 5, the layout with fused ``gate_up_proj [E, 2F, H]``), each read
 from the block alone (router, experts, shared experts), so any checkpoint and any dtype:
@@ -247,19 +248,40 @@ def from_hf(block: nn.Module, ep_group=None, **options) -> MoELayer:
 @torch.no_grad()
 def to_hf(layer, block: nn.Module) -> nn.Module:
     """Write ``layer``'s weights into ``block`` (an HF sparse MoE block of the same shape): all E experts,
-    gathered across the EP group, plus the router, its selection bias and the shared experts.
+    gathered across the EP group, plus the router, its selection bias and the shared experts. Or, for a whole
+    model, every swapped block into the HF model's block at the same module path and every other tensor too.
 
     Args:
         layer: an MoELayer (from ``from_hf``), or a block that ``swap_moe_blocks`` put in a model (its
-            ``.moe`` is the layer).
-        block: the HF block to overwrite, on any device and dtype (values are cast to its tensors').
-    Collective over the layer's EP group (``moe_comm.checkpoint.full_state_dict(..., rank0_only=False)``):
-    every rank calls it; every rank's block receives every expert. Returns ``block``.
+            ``.moe`` is the layer); or a whole model that ``swap_moe_blocks`` swapped (any other module:
+            its swapped blocks and MoELayers, found by module path; a DDP wrapper's ``.module`` is taken).
+        block: the HF block to overwrite, on any device and dtype (values are cast to its tensors'); for a
+            whole model, the HF model to overwrite (e.g. ``from_config`` of the original's config, or the
+            original reloaded): the same modules, with the HF sparse MoE block where ``layer`` has a swapped
+            one. Checked before anything is written or gathered: a path that is missing, an MoE block on one
+            side only, a block of another shape, or another tensor that is missing, extra or of another
+            shape raises ValueError naming the module path or key, on every rank (an agreement over the first
+            layer's EP x DP grid); nothing is written then.
+    Collective over the layer's EP group (``moe_comm.checkpoint.full_state_dict(..., rank0_only=False)``, once
+    per block, in module order): every rank calls it; every rank's block receives every expert. Returns
+    ``block``. The model's other tensors (embeddings, attention, norms, head: replicated) are copied from this
+    rank's model as they are.
     """
     who = "to_hf"
+    if isinstance(layer, nn.Module) and not isinstance(layer, (MoELayer, _SwappedBlock)):
+        return _model_to_hf(layer, block)
     layer = getattr(layer, "moe", layer)
     if not isinstance(layer, MoELayer):
-        raise TypeError(f"{who}: layer must be an MoELayer or a swapped block, got {type(layer).__name__}")
+        raise TypeError(f"{who}: layer must be an MoELayer, a swapped block or a swapped model, got "
+                        f"{type(layer).__name__}")
+    t = _target_tensors(layer, block, who)
+    _write_block(layer, block, t, who)
+    return block
+
+
+def _target_tensors(layer: MoELayer, block: nn.Module, who: str) -> dict:
+    """The HF block's tensors by role (``_read_block``), once its family and shape are checked against the
+    layer's (local: no collective)."""
     fam = _family(block, getattr(layer, "hf_family", None), who)
     cfg_fields, t = _read_block(block, fam, who)
     cfg = layer.cfg
@@ -267,8 +289,13 @@ def to_hf(layer, block: nn.Module) -> nn.Module:
         want = cfg_fields.get(name, getattr(MoEConfig, name, None))
         if getattr(cfg, name) != want:
             raise ValueError(f"{who}: the block's {name} is {want}, the layer's is {getattr(cfg, name)}")
+    return t
+
+
+def _write_block(layer: MoELayer, block: nn.Module, t: dict, who: str) -> None:
+    """Gather the layer's experts (collective over its EP group) and write everything into ``t``."""
     full = full_state_dict(layer, layer.ep_group if layer.world_size > 1 else None, rank0_only=False)
-    E = cfg.num_experts
+    E = layer.cfg.num_experts
 
     def experts(name: str) -> torch.Tensor:
         return torch.stack([full[f"experts.{name}.{g}"] for g in range(E)])
@@ -286,7 +313,100 @@ def to_hf(layer, block: nn.Module) -> nn.Module:
             t[f"shared_{name}"].copy_(full[f"shared_experts.{name}"])
     if "shared_gate" in t:
         t["shared_gate"].copy_(full["shared_expert_gate.weight"])
-    return block
+
+
+def _is_moe_block(module: nn.Module) -> bool:
+    """A supported HF sparse MoE block, or a module that looks like one (``experts`` and a ``gate`` / ``router``
+    submodule): ``swap_moe_blocks`` swaps (or names as unsupported) exactly these."""
+    if type(module).__name__ in _FAMILIES:
+        return True
+    return isinstance(getattr(module, "experts", None), nn.Module) and \
+        isinstance(getattr(module, "gate", getattr(module, "router", None)), nn.Module)
+
+
+def _swapped_layers(model: nn.Module) -> List[Tuple[str, MoELayer]]:
+    """(module path, MoELayer) of every swapped block (``_SwappedBlock``: the path is the block's) and every
+    MoELayer outside one, in module order."""
+    out: List[Tuple[str, MoELayer]] = []
+    for name, m in model.named_modules():
+        if any(name.startswith(p + ".") for p, _ in out):
+            continue
+        if isinstance(m, _SwappedBlock):
+            out.append((name, m.moe))
+        elif isinstance(m, MoELayer):
+            out.append((name, m))
+    return out
+
+
+def _under(key: str, prefixes: List[str]) -> bool:
+    return any(key.startswith(p + ".") for p in prefixes)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP2) as the whole tensor (collective over its mesh: every rank reads the same keys in the
+    same order); any other tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _model_to_hf(model: nn.Module, hf_model: nn.Module) -> nn.Module:
+    """``to_hf`` of a whole swapped model (see ``to_hf``)."""
+    who = "to_hf"
+    from torch.nn.parallel import DistributedDataParallel
+    if isinstance(model, DistributedDataParallel):
+        model = model.module
+    layers = _swapped_layers(model)
+    if not layers:
+        raise ValueError(f"{who}: {type(model).__name__} holds no MoELayer and no swapped block (swap_moe_blocks "
+                         "puts them in); pass a swapped model, or an MoELayer and its HF block")
+    targets: List[Tuple[MoELayer, nn.Module, dict]] = []
+    local_error = None
+    try:  # every check before the first gather: a rank that fails still joins the agreement below
+        if not isinstance(hf_model, nn.Module):
+            raise TypeError(f"{who}: for a swapped model, block must be the HF model (an nn.Module), got "
+                            f"{type(hf_model).__name__}")
+        if hf_model is model or any(isinstance(m, (_SwappedBlock, MoELayer)) for m in hf_model.modules()):
+            raise ValueError(f"{who}: the HF model to write into holds swapped blocks (is it the swapped model "
+                             "itself? swap_moe_blocks works in place): pass a fresh HF model, e.g. "
+                             "AutoModelForCausalLM.from_config(model.config)")
+        paths = [p for p, _ in layers]
+        for path, layer in layers:
+            try:
+                block = hf_model.get_submodule(path)
+            except AttributeError:
+                raise ValueError(f"{who}: the swapped model has an MoE block at {path!r}, the HF model "
+                                 f"({type(hf_model).__name__}) has no module there: the two models differ in "
+                                 "structure") from None
+            if not _is_moe_block(block):
+                raise ValueError(f"{who}: the swapped model has an MoE block at {path!r}, the HF model has a "
+                                 f"{type(block).__name__} there, not a sparse MoE block")
+            targets.append((layer, block, _target_tensors(layer, block, f"{who}: {path}")))
+        hf_blocks = [name for name, m in hf_model.named_modules() if name and _is_moe_block(m)]
+        hf_blocks = [n for n in hf_blocks if not _under(n, hf_blocks)]
+        extra = [n for n in hf_blocks if n not in paths]
+        if extra:
+            raise ValueError(f"{who}: the HF model has sparse MoE blocks at {extra} where the swapped model has "
+                             "none: the two models differ in structure")
+        mine = {k: v for k, v in model.state_dict().items() if not _under(k, paths)}
+        theirs = {k: v for k, v in hf_model.state_dict().items() if not _under(k, hf_blocks)}
+        missing, unknown = [k for k in mine if k not in theirs], [k for k in theirs if k not in mine]
+        if missing or unknown:
+            raise ValueError(f"{who}: outside the MoE blocks the models differ: in the swapped model only "
+                             f"{missing[:5]}{' ...' if len(missing) > 5 else ''}, in the HF model only "
+                             f"{unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
+        for k, v in mine.items():
+            if tuple(v.shape) != tuple(theirs[k].shape):
+                raise ValueError(f"{who}: {k!r} has shape {list(v.shape)} in the swapped model, "
+                                 f"{list(theirs[k].shape)} in the HF model")
+    except (TypeError, ValueError) as err:
+        local_error = err
+    first = layers[0][1]
+    agree_ep_dp(first.ep_group, first.dp_group, {"swapped blocks": [p for p, _ in layers]}, what=who,
+                local_error=local_error, timeout=first.dispatcher.timeout)
+    for layer, block, t in targets:
+        _write_block(layer, block, t, who)
+    for k, v in mine.items():
+        theirs[k].copy_(_full(v))
+    return hf_model
 
 
 class _RouterLogits(nn.Module):
@@ -357,10 +477,7 @@ def swap_moe_blocks(model: nn.Module, ep_group=None, **options) -> int:
     try:  # every block checked before the first (collective) construction
         family, _, _ = _split_options(options, who)
         for name, module in model.named_modules():
-            known = type(module).__name__ in _FAMILIES
-            looks_moe = isinstance(getattr(module, "experts", None), nn.Module) and \
-                isinstance(getattr(module, "gate", getattr(module, "router", None)), nn.Module)
-            if known or looks_moe:
+            if _is_moe_block(module):
                 _family(module, family, f"{who}: {name}")  # raises for an unsupported block, before any swap
                 found.append((name, module))
         for name, module in found:
