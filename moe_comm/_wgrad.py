@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["WeightGrads", "GradSums", "deferring", "active"]
+__all__ = ["WeightGrads", "GradSums", "deferring", "holding", "active"]
 
 _active: List["WeightGrads"] = []  # a stack: the innermost collector is the active one (one thread at a time)
 
@@ -90,8 +90,12 @@ class GradSums:
                 sums[j] = g if sums[j] is None else sums[j].add_(g)
 
     def flush(self) -> None:
-        """Backpropagate the sums into their inputs (accumulating into ``.grad``), once per input."""
+        """Backpropagate the sums into their inputs (accumulating into ``.grad``), once per input; inside
+        ``holding()`` hand them to the holder instead."""
         entries, self.entries = self.entries, {}
+        if _held and _held[-1] is not self:
+            _held[-1].entries.update({(len(_held[-1].entries),) + k: v for k, v in entries.items()})
+            return
         for inputs, sums in entries.values():
             pairs = [(t, g) for t, g in zip(inputs, sums) if g is not None and t.requires_grad]
             if pairs:
@@ -107,6 +111,22 @@ def deferring():
         yield collector
     finally:
         _active.remove(collector)
+
+
+_held: List[GradSums] = []  # holders of flushed sums (``holding``), innermost last
+
+
+@contextlib.contextmanager
+def holding():
+    """Every ``GradSums.flush()`` inside the block hands its sums to the yielded holder instead of ``.grad``: a
+    nested backward's weight gradients wait for the outer phase's closing exchange (``holder.flush()`` then;
+    leaving without it drops them: no partial gradients)."""
+    holder = GradSums()
+    _held.append(holder)
+    try:
+        yield holder
+    finally:
+        _held.remove(holder)
 
 
 def active() -> Optional[WeightGrads]:

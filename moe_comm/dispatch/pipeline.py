@@ -286,11 +286,14 @@ def _forward(run: _Run, src: Tuple[torch.Tensor, ...], x: torch.Tensor) -> torch
                 if run.meta:  # one row per (token, rank): expand to its local experts, sum their weighted outputs
                     meta_RM = received[1]
                     w_in = meta_RM[:, K:].detach().requires_grad_(run.grad_enabled)
-                    lay = ops.make_layout(meta_RM[:, :K].to(torch.int64), d.num_local_experts, backend=d.backend)
-                    lay.set_num_rows(sum(p.counts_e))  # host counts from the control exchange: no sync
-                    out_RH = call_expert_fn(run.expert_fn, ops.permute(t_in, lay, backend=d.backend),
-                                            p.tokens_per_expert_e, p.counts_e)
-                    out_RH = ops.unpermute(out_RH.to(dtype), lay, w_in, backend=d.backend)
+                    if getattr(run.expert_fn, "takes_slot_rows", False):  # a node's level of dispatch.hierarchy
+                        out_RH = run.expert_fn(t_in, meta_RM[:, :K].to(torch.int64), w_in)
+                    else:
+                        lay = ops.make_layout(meta_RM[:, :K].to(torch.int64), d.num_local_experts, backend=d.backend)
+                        lay.set_num_rows(sum(p.counts_e))  # host counts from the control exchange: no sync
+                        out_RH = call_expert_fn(run.expert_fn, ops.permute(t_in, lay, backend=d.backend),
+                                                p.tokens_per_expert_e, p.counts_e)
+                        out_RH = ops.unpermute(out_RH.to(dtype), lay, w_in, backend=d.backend)
                 else:  # rank_major: the rows as the all-to-all delivered them, no regroup pass
                     out_RH = call_expert_fn(run.expert_fn, t_in, p.tokens_per_expert_e, p.counts_e,
                                             p.segments if p.rank_major else None)
