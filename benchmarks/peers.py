@@ -39,6 +39,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -70,6 +71,51 @@ def _step(layer, x):
     layer(x).square().mean().backward()
 
 
+class _OpCount(TorchDispatchMode):
+    """Counts the aten ops dispatched while active (below autograd: what the layer really runs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _work_counts(layer, x) -> dict:
+    """One warm fwd + bwd step of ``layer``, counted: aten ops of the forward and of the backward, Python
+    function calls and calls into C (built-ins, torch bindings) of the whole step, and the collectives it issued
+    (c10d calls). Run on every rank at once (the step is collective); counts are this rank's."""
+    _step(layer, x)  # warm: caches, first-call agreements
+    with _OpCount() as fwd:
+        y = layer(x).square().mean()
+    with _OpCount() as bwd:
+        y.backward()
+    calls = {"call": 0, "c_call": 0, "collectives": 0}
+
+    def prof(frame, event, arg):
+        if event in ("call", "c_call"):
+            calls[event] += 1
+            if event == "c_call" and getattr(arg, "__module__", "") == "torch._C._distributed_c10d" \
+                    and arg.__name__ in _COLLECTIVES:
+                calls["collectives"] += 1
+
+    dist.barrier()
+    sys.setprofile(prof)
+    try:
+        _step(layer, x)
+    finally:
+        sys.setprofile(None)
+    return {"aten_ops_forward": fwd.n, "aten_ops_backward": bwd.n, "python_calls_per_step": calls["call"],
+            "c_calls_per_step": calls["c_call"], "collectives_per_step": calls["collectives"]}
+
+
+_COLLECTIVES = {"all_to_all_single", "alltoall_base", "allreduce", "all_reduce", "broadcast", "allgather",
+                "all_gather", "_allgather_base", "barrier", "batch_isend_irecv", "send", "recv", "isend", "irecv",
+                "reduce_scatter", "_reduce_scatter_base", "gather", "scatter"}
+
+
 def _cross_check(ref, peer, x):
     xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     ya, yb = ref(xa), peer(xb)
@@ -95,6 +141,7 @@ def _shape_main(rank, W, a, shape):
     g = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(T, H, generator=g)
     checks = {name: _cross_check(ref, layer, x) for name, layer in layers.items() if layer is not ref}
+    counts = {name: _work_counts(layers[name], x.clone().requires_grad_(True)) for name in ("moe_comm", PLAIN)}
 
     # The bare expert GEMMs on this rank's received rows (the same rows every layer's experts get).
     with torch.no_grad():
@@ -128,6 +175,8 @@ def _shape_main(rank, W, a, shape):
            "raw_a2a_s": raw, "layers": {}, "skipped": skipped}
     for n in over:
         entry = {"step_s": statistics.median(times[n]), "overhead_s": statistics.median(over[n])}
+        if n in counts:  # ops per forward / backward, Python calls and collectives per step (this rank)
+            entry["work"] = counts[n]
         if n != "moe_comm":
             entry["check"] = checks[n]
             entry["ours_over_theirs"] = statistics.median(over["moe_comm"]) / statistics.median(over[n])
