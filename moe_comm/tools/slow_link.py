@@ -522,7 +522,8 @@ def _check_cluster_args(cmd_for_node, nodes, ranks_per_node, timeout) -> Callabl
 def run_on_cluster(cmd_for_node: Union[List[str], Callable[[int], List[str]]], nodes: int = 2,
                    ranks_per_node: int = 2, inter: str = "1gbit", delay: Optional[str] = None, *,
                    torchrun: bool = True, env: Optional[Mapping[str, str]] = None, capture: bool = False,
-                   timeout: Optional[float] = None, prefix: Optional[str] = None) -> ClusterResult:
+                   timeout: Optional[float] = None, fail_grace: float = _FAIL_GRACE_S,
+                   prefix: Optional[str] = None) -> ClusterResult:
     """Run a command on every node of an emulated cluster (module docstring) and delete the cluster again, in
     every case (error, timeout, KeyboardInterrupt).
 
@@ -542,15 +543,19 @@ def run_on_cluster(cmd_for_node: Union[List[str], Callable[[int], List[str]]], n
     capture: keep each node's stdout / stderr (in ``NodeResult``) instead of passing them through.
     timeout: seconds for the whole run, or None. On expiry every node's process group gets SIGTERM, then
         SIGKILL 2 s later, the cluster is deleted and ``subprocess.TimeoutExpired`` is raised.
+    fail_grace: seconds the other nodes get to exit by themselves once one node exited non-zero (default
+        15: torchrun's agents notice a dead peer); then they are killed (``NodeResult.killed``).
     prefix: namespace name prefix (default ``mcc-<pid>-<6 hex>``): namespaces PREFIX-hub, PREFIX-n0.. .
     Returns: ``ClusterResult``: per node its exit code; per node its link's tc counters, read after every
-        command ended. When a node exits non-zero the others get 15 s to exit, then are killed (``killed``).
+        command ended.
     Raises: RuntimeError when not root / not Linux / ``ip`` or ``tc`` is missing / a setup step fails (netem
         missing for ``delay``); ValueError or TypeError for bad arguments; subprocess.TimeoutExpired.
     Example: ``run_on_cluster(["python", "-c", "import os; print(os.environ['RANK'])"], nodes=2,
         ranks_per_node=2).returncode == 0`` prints 0..3, one line per rank.
     """
     make_cmd = _check_cluster_args(cmd_for_node, nodes, ranks_per_node, timeout)
+    if isinstance(fail_grace, bool) or not isinstance(fail_grace, (int, float)) or not fail_grace >= 0:
+        raise ValueError(f"fail_grace must be a number of seconds >= 0, got {fail_grace!r}")
     rate_bits = parse_rate(inter)
     delay_s = None if delay is None else parse_delay(delay)
     if prefix is None:
@@ -589,7 +594,7 @@ def run_on_cluster(cmd_for_node: Union[List[str], Callable[[int], List[str]]], n
                 raise subprocess.TimeoutExpired(argvs[0], timeout)
             if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
                 failed_at = now_s
-            if failed_at is not None and now_s - failed_at > _FAIL_GRACE_S:
+            if failed_at is not None and now_s - failed_at > fail_grace:
                 for k, p in enumerate(procs):
                     if p.poll() is None:
                         killed.add(k)
