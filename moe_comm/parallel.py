@@ -77,9 +77,37 @@ def _timeout(model: nn.Module) -> Optional[float]:
     return max(given) if given else None
 
 
-def _check_grid(model: nn.Module, group: Optional[dist.ProcessGroup], what: str) -> int:
-    """Collective over ``group`` (None: WORLD): every MoELayer must tile the wrapper's N ranks as EP x DP.
-    Returns N; raises on every rank otherwise (``agree``)."""
+def _mesh_grid_error(name: str, layer: MoELayer, mesh) -> Optional[ValueError]:
+    """For a 2-D mesh: an error when ``layer``'s EP group (or DP group) is not this rank's group of the mesh's
+    EP dim (its "ep" dim, else dim 1, the dim FSDP2 shards over) or DP dim; None when they match. The text
+    names the mesh's whole layout, so every rank whose layer was built alike words it alike."""
+    names = tuple(mesh.mesh_dim_names or ())
+    ep_dim = names.index("ep") if "ep" in names else 1
+    dp_dim = 1 - ep_dim
+    label = [repr(names[d]) if names else f"{d} (unnamed)" for d in (0, 1)]
+    table = mesh.mesh.tolist()  # host sync: none, the mesh's CPU rank table
+    ep_groups = table if ep_dim == 1 else [list(c) for c in zip(*table)]
+    dp_groups = [list(c) for c in zip(*ep_groups)]
+    me = dist.get_rank()
+    mesh_ep = next(g for g in ep_groups if me in g)
+    mesh_dp = next(g for g in dp_groups if me in g)
+    layer_ep = dist.get_process_group_ranks(layer.ep_group) if layer.ep_group is not None else [me]
+    layer_dp = dist.get_process_group_ranks(layer.dp_group) if layer.dp_group is not None else [me]
+    if sorted(layer_ep) == sorted(mesh_ep) and sorted(layer_dp) == sorted(mesh_dp):
+        return None
+    return ValueError(
+        f"fully_shard_moe: MoELayer {name!r} was built on EP group {sorted(layer_ep)} (EP {len(layer_ep)}, "
+        f"DP {len(layer_dp)}), but the mesh's EP dim {label[ep_dim]} groups the ranks as {ep_groups} (EP "
+        f"{len(mesh_ep)}, DP {len(mesh_dp)} over dim {label[dp_dim]}): the layer would run as EP {len(layer_ep)} "
+        f"instead. Build the layer on the mesh: MoELayer(cfg, ep_group=mesh) with "
+        f"init_device_mesh(dev, (DP, EP), mesh_dim_names=('dp', 'ep')) (or ep_group=mesh['ep'], "
+        f"dp_group=mesh['dp']); or pass fully_shard_moe a 1-D mesh over all ranks")
+
+
+def _check_grid(model: nn.Module, group: Optional[dist.ProcessGroup], what: str, mesh=None) -> int:
+    """Collective over ``group`` (None: WORLD): every MoELayer must tile the wrapper's N ranks as EP x DP, and
+    with a 2-D ``mesh`` its EP and DP groups must be the mesh's. Returns N; raises on every rank otherwise
+    (``agree``)."""
     group = group if group is not None else dist.group.WORLD
     N = dist.get_world_size(group)
     members = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
@@ -95,6 +123,10 @@ def _check_grid(model: nn.Module, group: Optional[dist.ProcessGroup], what: str)
                     f"{what}: MoELayer {name!r} has EP size {ep} x DP size {dp} = {ep * dp} ranks, the wrapper's "
                     f"group has {N} ({sorted(members)}); build the layers with the data-parallel group too: "
                     f"MoELayer(cfg, ep_group=mesh) with a ('dp', 'ep') DeviceMesh, or dp_group=...")
+            if mesh is not None and mesh.ndim == 2:
+                error = _mesh_grid_error(name, layer, mesh)
+                if error is not None:
+                    raise error
     except ValueError as err:
         local_error = err
     agree(group, {"MoE layers": len(moe_layers(model))}, what=what, local_error=local_error, timeout=_timeout(model))
@@ -292,7 +324,9 @@ def fully_shard_moe(model: nn.Module, mesh, *, blocks: Sequence[nn.Module] = (),
     Args:
         model: the model; every MoELayer in it must tile the mesh's N ranks as EP x DP (checked).
         mesh: a DeviceMesh over all N = EP x DP ranks: 1-D (parameters sharded over N), or the 2-D
-            ('dp', 'ep') mesh the layers were built with (HSDP: replicated over 'dp', sharded over 'ep').
+            ('dp', 'ep') mesh the layers were built with (HSDP: replicated over 'dp', sharded over 'ep'):
+            every layer's EP and DP groups must then be the mesh's (checked: a layer built on WORLD next
+            to a 2-D mesh raises on every rank).
         blocks: submodules to make their own FSDP units first (transformer blocks), then the root.
         **fsdp_kwargs: passed to every ``fully_shard`` call (reshard_after_forward, mp_policy, ...).
     Returns ``model`` (now an FSDPModule). The expert parameters are every unit's ``ignored_params``: not
@@ -307,7 +341,7 @@ def fully_shard_moe(model: nn.Module, mesh, *, blocks: Sequence[nn.Module] = (),
     if N != dist.get_world_size():
         raise ValueError(f"fully_shard_moe: mesh must span every EP x DP rank, the whole world of "
                          f"{dist.get_world_size()} ranks, got a mesh of {N}")
-    _check_grid(model, None, "fully_shard_moe")
+    _check_grid(model, None, "fully_shard_moe", mesh)
     experts = {p for _, p in expert_parameters(model)}
     for block in blocks:
         fully_shard(block, mesh=mesh, ignored_params={p for p in block.parameters() if p in experts}, **fsdp_kwargs)
