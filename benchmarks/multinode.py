@@ -29,9 +29,9 @@ Per mode:
   the same run.
 - rows per token crossing nodes: expected from the routing (mean over all tokens of: remote-node slots
   (flat), distinct remote ranks (dedup), distinct remote nodes (hier)); measured for hier from
-  ``last_bytes["dispatch_wire_inter"]`` / (H x element size) (row payload: includes any per-row metadata) or
-  ``last_bytes["dispatch_rows_inter"]`` when there. Also "distinct destination nodes per token" (own node
-  included).
+  ``last_bytes["rows_inter"]`` (rows this rank sent across nodes) when the transport reports it, else
+  ``last_bytes["dispatch_wire_inter"]`` / (H x element size) (then any per-row metadata counts as rows).
+  Also "distinct destination nodes per token" (own node included).
 - bytes across nodes of one forward call (no_grad): sum over ranks of ``last_bytes`` dispatch + combine
   inter-node wire bytes (hier: the transport's own "*_wire_inter" keys; flat modes: wire bytes x the
   routing's remote share of the rows) vs the tc counters of the shaped links read right before and after
@@ -245,7 +245,7 @@ def worker(rank: int, W: int, opts: Dict) -> Dict:
         own = crossing_counts(mine, E, W, L, rank)
         if s["ranks_per_node"] is not None:
             inter = [lb.get(k, -1) for k in _LINK_KEYS]
-            rows_inter = lb.get("dispatch_rows_inter", -1)
+            rows_inter = lb.get("rows_inter", lb.get("dispatch_rows_inter", -1))
         else:  # flat: wire bytes x the remote share of this rank's rows (slots, or distinct ranks with dedup)
             share = (own["remote_ranks"] / max(own["ranks"], 1.0)) if s["dedup"] else \
                 (own["remote_slots"] / max(own["slots"], 1.0))
@@ -334,7 +334,7 @@ def _print(out: Dict) -> None:
         print(f"{m:<18s} skipped: {why}")
     for name, v in out["verdicts"].items():
         state = ("PASS" if v["pass"] else "FAIL") if v["applies"] else "n/a"
-        print(f"  {state:4s} {name}: {v['value'] if v['value'] is None else round(v['value'], 4)}")
+        print(f"  {state:4s} {name}: {v['value'] if v['value'] is None else format(v['value'], '.4g')}")
 
 
 # ---------------------------------------------------------------------------------------- command line

@@ -168,6 +168,31 @@ def _relaunch_on_link(argv: List[str], link: str) -> int:
         return _fail(f"--link {link}: {e}")
 
 
+def _relaunch_on_cluster(argv: List[str], nodes: int, inter: str, world_size: int) -> int:
+    """Run this same command (without --nodes / --inter-link) under multi-node torchrun on an emulated cluster of
+    ``nodes`` namespaces, world_size / nodes ranks each (``slow_link.run_on_cluster``); rank 0 reports."""
+    from moe_comm.tools.slow_link import run_on_cluster
+
+    if world_size % nodes:
+        return _fail(f"--nodes {nodes} must divide --world-size {world_size} (ranks per node = world size / nodes)")
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--nodes", "--inter-link"):
+            skip = True
+        elif not a.startswith(("--nodes=", "--inter-link=")):
+            rest.append(a)
+    try:
+        res = run_on_cluster([sys.executable, "-m", "moe_comm.tools.cli"] + rest, nodes=nodes,
+                             ranks_per_node=world_size // nodes, inter=inter)
+    except (RuntimeError, ValueError) as e:
+        return _fail(f"--nodes {nodes} --inter-link {inter}: {e}")
+    for ln in res.links:
+        print(f"node {ln.node}: {ln.tx_bytes} bytes sent, {ln.rx_bytes} received over its {inter} link (tc)")
+    return 1 if res.returncode else 0
+
+
 def _print_bench(points: List[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -268,12 +293,19 @@ def _plot_bench(points: List[dict], path: str) -> None:
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:
+    import os
+
     from moe_comm.tools.bench import bench_rank
-    from moe_comm.tools.launch import run_ranks
+    from moe_comm.tools.launch import launched_by_torchrun, run_ranks
 
     err = _check_bench_args(ns)
     if err:
         return _fail(err)
+    if ns.link and ns.nodes:
+        return _fail("--link and --nodes exclude each other (--inter-link sets the cluster's link)")
+    if ns.nodes:
+        return _relaunch_on_cluster(sys.argv[1:] if ns.argv is None else ns.argv, ns.nodes, ns.inter_link,
+                                    ns.world_size)
     if ns.link:
         return _relaunch_on_link(sys.argv[1:] if ns.argv is None else ns.argv, ns.link)
     opts = {"tokens": ns.tokens, "hidden": ns.hidden, "top_k": ns.top_k, "experts": ns.experts,
@@ -281,6 +313,8 @@ def cmd_bench(ns: argparse.Namespace) -> int:
             "ffn": ns.ffn, "layer": not ns.no_layer, "seed": ns.seed, "progress": not ns.quiet,
             "dispatch_dtype": ns.dispatch_dtype, "dispatch_scales": ns.dispatch_scales, "dedup": ns.dedup}
     points = run_ranks(bench_rank, ns.world_size, opts)
+    if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
+        return 0  # rank 0 reports
     if not points:
         print("error: the ranks returned no results", file=sys.stderr)
         return 1
@@ -298,6 +332,11 @@ def cmd_bench(ns: argparse.Namespace) -> int:
 def cmd_profile(ns: argparse.Namespace) -> int:
     from moe_comm.tools.diagnose import profile_main
 
+    if ns.nodes:
+        if ns.link:
+            return _fail("--link and --nodes exclude each other (--inter-link sets the cluster's link)")
+        return _relaunch_on_cluster(sys.argv[1:] if ns.argv is None else ns.argv, ns.nodes, ns.inter_link,
+                                    ns.world_size)
     params = {}
     for kv in ns.workload_param:
         k, sep, v = kv.partition("=")
@@ -345,6 +384,14 @@ def _add_wire_args(sp) -> None:
                     help="one copy per (token, destination rank) in the pipelined call and the layer")
 
 
+def _add_cluster_args(sp) -> None:
+    """The emulated cluster's flags (``slow_link.run_on_cluster``), shared by bench and profile."""
+    sp.add_argument("--nodes", type=_positive, default=None,
+                    help="run under multi-node torchrun on an emulated cluster of this many nodes, --world-size / "
+                         "--nodes ranks each (root, ip, tc)")
+    sp.add_argument("--inter-link", default="1gbit", help="with --nodes: tc rate of each node's link, each way")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-comm", description="Expert-parallel MoE communication tools.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -377,6 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-layer", action="store_true", help="skip the MoELayer forward+backward step")
     _add_wire_args(b)
     b.add_argument("--link", default=None, help="run on an emulated link of this rate, e.g. 1gbit (root, ip, tc)")
+    _add_cluster_args(b)
     b.add_argument("--json", default=None, help="write all figures to this JSON file")
     b.add_argument("--plot", default=None, help="write a PNG of throughput vs message size (needs matplotlib)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -402,6 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_wire_args(pr)
     pr.add_argument("--link", default=None, help="run on an emulated link of this tc rate, e.g. 1gbit (root, ip, tc)")
     pr.add_argument("--link-delay", default=None, help="extra one-way delay on the emulated link, e.g. 1ms (netem)")
+    _add_cluster_args(pr)
     pr.add_argument("--timeout", type=float, default=900, help="seconds before the run is abandoned")
     pr.add_argument("--out", default="moe_comm_profile", help="directory for trace.json, timeline.png, profile.json")
     pr.set_defaults(func=cmd_profile)

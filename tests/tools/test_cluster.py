@@ -206,3 +206,13 @@ def test_multinode_benchmark_quick(tmp_path):
         assert m["tc_sent_bytes_one_call"] > 0, name  # each node read its link's counters around the call
     # flat sends one row per remote slot; one copy per rank never more
     assert modes["flat_dedup"]["inter_rows_per_token_expected"] <= modes["flat"]["inter_rows_per_token_expected"]
+
+
+@pytest.mark.parametrize("command", ["bench", "profile"])
+def test_cli_cluster_flags_are_checked_before_any_namespace(command, capsys):
+    from moe_comm.tools.cli import main
+
+    assert main([command, "--nodes", "3", "--world-size", "4"]) == 2
+    assert "--nodes 3 must divide --world-size 4" in capsys.readouterr().err
+    assert main([command, "--nodes", "2", "--link", "1gbit"]) == 2
+    assert "--link and --nodes" in capsys.readouterr().err
