@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
+from moe_comm.dispatch.autotune import BETA_MAX
 from moe_comm.profiling import Span, overlap_report
 from moe_comm.tools.diagnose import wire
 from moe_comm.tools.diagnose.suggest import Suggestion, mb, ms, suggest
@@ -28,7 +29,7 @@ SATURATED_RATIO = 0.7       # expert GEMM FLOP rate / plain GEMM rate at or abov
 COMM_DOMINANT_SHARE = 0.5   # comm union / step above this: "communication dominates"
 SLOW_RANK_RATIO = 1.1       # a rank's compute / mean compute above this: "slow rank"
 LOAD_CORRELATION = 0.7      # corr(compute, rows received) at or above this: slowness follows load
-_FLAT_FIT_BETA = 1e14       # autotune.fit_alpha_beta clamps a flat fit to beta = 1e15 B/s
+_FLAT_FIT_BETA = BETA_MAX   # autotune.fit_link's bound: where it stands, the bandwidth was not measurable
 
 
 @dataclass
