@@ -7,12 +7,13 @@ so a call site reads ``self.window = check_int("LoadMonitor: window", window, 1,
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional, Sequence
+import sys
+from typing import Callable, Iterable, List, Optional, Sequence
 
 import torch
 
 __all__ = ["check_int", "check_int_list", "check_float", "check_fraction", "check_bool", "check_choice",
-           "check_tensor", "check_same_device", "check_out", "describe"]
+           "check_tensor", "check_same_device", "check_out", "describe", "graph_break"]
 
 
 def describe(value) -> str:
@@ -136,3 +137,68 @@ def check_out(name: str, out, shape: Sequence[int], dtype: torch.dtype, device: 
     if contiguous and not out.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got strides {out.stride()}")
     return out
+
+
+# ---- torch.compile graph breaks without importing torch._dynamo (about 1 s) at import ----
+
+_PENDING_BREAKS: List[Callable] = []  # functions awaiting torch.compiler.disable until torch._dynamo is imported
+
+
+def graph_break(fn: Callable) -> Callable:
+    """Decorator, the same as ``torch.compiler.disable`` (under torch.compile the graph breaks at a call of
+    ``fn``, which runs eagerly), but ``import moe_comm`` does not import ``torch._dynamo``.
+
+    Nothing can compile before ``torch._dynamo`` is imported, so until then ``fn`` stays the plain function
+    (which also saves the disable wrapper's per-call cost in eager-only processes). The import of
+    ``torch._dynamo`` (by ``torch.compile`` or anything else) replaces it, where it is defined (its class or
+    module, found by ``__qualname__``), by ``torch.compiler.disable(fn)`` before any frame is traced.
+    Applied at once when ``torch._dynamo`` is already imported, or ``fn`` is local to a function."""
+    if "torch._dynamo" in sys.modules or "<locals>" in fn.__qualname__:
+        _apply_pending_breaks()
+        return torch.compiler.disable(fn)
+    _PENDING_BREAKS.append(fn)
+    if _DynamoImportHook not in sys.meta_path:
+        sys.meta_path.insert(0, _DynamoImportHook)
+    return fn
+
+
+def _apply_pending_breaks() -> None:
+    """Replace every pending function on its class or module by ``torch.compiler.disable(fn)``."""
+    for fn in list(_PENDING_BREAKS):
+        owner = sys.modules.get(fn.__module__)
+        *path, name = fn.__qualname__.split(".")
+        for part in path:
+            owner = getattr(owner, part, None)
+        if owner is None or vars(owner).get(name) is not fn:
+            continue  # not (yet) bound where it was defined: tried again by the next graph_break
+        setattr(owner, name, torch.compiler.disable(fn))
+        _PENDING_BREAKS.remove(fn)
+
+
+class _DynamoImportHook:
+    """``sys.meta_path`` finder that only watches ``torch._dynamo``: its module executes as usual (found by the
+    other finders), then the pending graph breaks are applied."""
+
+    @staticmethod
+    def find_spec(fullname, path=None, target=None):
+        if fullname != "torch._dynamo":
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = None if finder is _DynamoImportHook or find is None else find(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader_exec = getattr(spec.loader, "exec_module", None)
+        if loader_exec is None:
+            return spec
+
+        def exec_module(module):
+            loader_exec(module)
+            if _DynamoImportHook in sys.meta_path:
+                sys.meta_path.remove(_DynamoImportHook)
+            _apply_pending_breaks()
+
+        spec.loader.exec_module = exec_module  # this spec's own loader instance
+        return spec

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 
 from moe_comm import ops
-from moe_comm._checks import check_bool, check_choice, check_float, check_int, check_tensor
+from moe_comm._checks import check_bool, check_choice, check_float, check_int, check_tensor, graph_break
 from moe_comm.comm.agree import agree
 from moe_comm.comm.channel import Channel, next_index
 from moe_comm.comm.collectives import group_device, group_rank, group_size, resolve_group
@@ -37,7 +37,8 @@ __all__ = ["Dispatcher", "DispatchOutput", "DispatchHandle", "ChunkPlan"]
 
 # torch.compile: every public call is one opaque step (host-side protocol, collectives, host reads of counts);
 # the graph breaks exactly here and the router and everything around the layer compile.
-_graph_break = torch.compiler.disable
+# (graph_break: torch.compiler.disable, applied when torch._dynamo is imported, so import moe_comm stays light)
+_graph_break = graph_break
 
 MAX_CHUNKS = 16  # default bound on C per call: sizes the control exchange (S = max_chunks x e words per rank)
 DIRECT_MIN_BYTES_CPU = 1 << 20  # gloo, 4 ranks on 2 cores: point-to-point slower at 256 KiB, faster at 4 MiB

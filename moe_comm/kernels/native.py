@@ -17,8 +17,13 @@ output cache: freed blocks of 1 MiB and more are kept (up to ``set_output_cache_
 and reused by the next output they fit, so a plain call does not page-fault its output once the previous
 output of that size was freed (``output_cache_stats`` counts hits and misses).
 
-The extension is JIT-built on the first ``available()`` call with ``torch.utils.cpp_extension.load`` into
-torch's extensions cache (so later processes reuse it; concurrent builders wait on torch's file lock).
+The extension is JIT-built on the first ``available()`` call into torch's extensions cache
+(``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions/py3X_cpu``), in a folder named by a hash of
+what the build output depends on: the sources' bytes, the compiler flags, ``CXX``, the torch build and the
+Python ABI - never a path. The sources are built from a copy inside that folder, so torch's ``build.ninja``
+is the same from every checkout; a finished build leaves ``BUILT_MARK`` there, and any later process (any
+checkout, path, or ninja) loads that ``.so`` directly without running ninja or importing
+``torch.utils.cpp_extension``. Concurrent builders wait on torch's file lock.
 If it cannot be built (no compiler, missing sources) ``available()`` warns once and returns False, and
 ``moe_comm.kernels.select_backend`` falls back to the torch reference.
 """
@@ -26,6 +31,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -51,16 +60,34 @@ _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 STALE_LOCK_S = 300  # a build takes ~50 s here; a lock older than this was left by a killed build
+BUILT_MARK = "moe_comm_built"  # written into the build folder once its .so is built and loads
+_RECIPE = 2  # bump when the way the folder is built changes (2: sources copied into the folder)
 
 
 def _build_name(sources) -> str:
-    """Extension name keyed by the sources, flags and torch version: two checkouts or versions never share
-    (and so never rebuild) one cache entry."""
+    """Extension name keyed by everything that changes the build output - the sources' names and bytes, the
+    flags, the compiler named by CXX, the torch build and the Python ABI - and by no path: every checkout of
+    the same sources shares one cache entry, and different sources or torch builds never share one."""
     h = hashlib.sha256()
     for p in sources:
-        h.update(Path(p).read_bytes())
-    h.update(repr((_CFLAGS, _LDFLAGS, torch.__version__)).encode())
+        h.update(Path(p).name.encode() + b"\0" + Path(p).read_bytes() + b"\0")
+    h.update(repr((_RECIPE, _CFLAGS, _LDFLAGS, os.environ.get("CXX", ""), torch.__version__,
+                   torch.version.git_version, torch.version.cuda, sys.implementation.cache_tag,
+                   importlib.machinery.EXTENSION_SUFFIXES[0])).encode())
     return f"moe_comm_native_{h.hexdigest()[:12]}"
+
+
+def _build_dir(name: str) -> Path:
+    """The build folder for ``name``, where torch's JIT would put it: ``$TORCH_EXTENSIONS_DIR/name``, else
+    ``~/.cache/torch_extensions/py3X_cpu/name`` (found without importing ``torch.utils.cpp_extension``)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        from torch import _appdirs
+        accel = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip else
+                 f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu")
+        py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = Path(os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions"))) / f"{py}_{accel}"
+    return Path(root) / name
 
 
 def _drop_stale_lock(lock: Path) -> None:
@@ -70,6 +97,50 @@ def _drop_stale_lock(lock: Path) -> None:
             lock.unlink()
     except OSError:  # another process removed it first, or no permission: let torch handle the lock
         pass
+
+
+def _write_if_changed(path: Path, data: bytes) -> None:
+    """Write ``data`` unless ``path`` already holds it (an unchanged file keeps its mtime: ninja skips it);
+    atomic, so a concurrent builder never reads half a file."""
+    try:
+        if path.read_bytes() == data:
+            return
+    except OSError:
+        pass
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _load_built(name: str, build_dir: Path) -> Optional[ModuleType]:
+    """The extension built earlier into ``build_dir`` (by any checkout), loaded without ninja; None when
+    there is no finished build."""
+    so = build_dir / f"{name}.so"
+    mark = build_dir / BUILT_MARK
+    if not (mark.is_file() and so.is_file()):
+        return None
+    spec = importlib.util.spec_from_file_location(name, so)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(name: str, build_dir: Path, sources) -> ModuleType:
+    """Build (or let ninja confirm) the extension from a copy of the sources inside ``build_dir``, so the
+    build files name no checkout; then mark the folder as built."""
+    from torch.utils import cpp_extension
+    src_dir = build_dir / "src"
+    src_dir.mkdir(parents=True, exist_ok=True)
+    copies = []
+    for p in sources:
+        copy = src_dir / p.name
+        _write_if_changed(copy, p.read_bytes())
+        copies.append(str(copy))
+    _drop_stale_lock(build_dir / "lock")
+    module = cpp_extension.load(name=name, sources=copies, build_directory=str(build_dir),
+                                extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), verbose=False)
+    _write_if_changed(build_dir / BUILT_MARK, f"{name}\n".encode())
+    return module
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,12 +153,18 @@ def _extension() -> Optional[ModuleType]:
                       "using the torch reference path instead", RuntimeWarning, stacklevel=3)
         return None
     try:
-        from torch.utils import cpp_extension
         name = _build_name(sources)
-        build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
-        _drop_stale_lock(build_dir / "lock")
-        return cpp_extension.load(name=name, sources=[str(p) for p in sources], build_directory=str(build_dir),
-                                  extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), verbose=False)
+        if name in sys.modules:  # loaded earlier in this process (the cache was cleared)
+            return sys.modules[name]
+        build_dir = _build_dir(name)
+        try:
+            module = _load_built(name, build_dir)
+        except (ImportError, OSError):  # a damaged build: build it again
+            module = None
+        if module is None:
+            module = _build(name, build_dir, sources)
+        sys.modules[name] = module
+        return module
     except Exception as exc:  # any build or import failure means: fall back, say why once
         reason = " ".join(str(exc).split())
         if len(reason) > 600:  # keep the command's start and the compiler's last words, which say why
