@@ -121,6 +121,8 @@ def _rank(rank: int, world_size: int, args: argparse.Namespace) -> Optional[dict
     nodes = world_size // L
     where = topology_kwargs(args.ranks_per_node)
     groups = dict(num_groups=nodes, topk_groups=1) if args.node_limited else {}
+    if groups and "cfg" in where and "node_limited" in moe_comm.MoEConfig.__dataclass_fields__:
+        groups["node_limited"] = True  # the layer checks that the groups are its nodes
     cfg = moe_comm.MoEConfig(hidden_size=args.hidden, ffn_hidden_size=2 * args.hidden, num_experts=args.experts,
                              top_k=args.top_k, aux_loss_coeff=1e-2, dedup=args.dedup, **groups,
                              **where.get("cfg", {}))
