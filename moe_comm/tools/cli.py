@@ -9,6 +9,7 @@ Exit codes: 0 success, 1 a run failed, 2 bad command-line input.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 import time
@@ -193,7 +194,77 @@ def _relaunch_on_cluster(argv: List[str], nodes: int, inter: str, world_size: in
     return 1 if res.returncode else 0
 
 
-def _print_bench(points: List[dict]) -> None:
+# The grid's axes (key in a point, label): constant ones go in the title line, varying ones are columns.
+_CONFIG = (("world_size", "W"), ("tokens", "T"), ("hidden", "H"), ("top_k", "K"), ("experts", "E"),
+           ("num_chunks", "C"), ("dtype", ""), ("wire", "wire"), ("workload", ""))
+BENCH_WIDTH = 120  # the default table fits this many columns; --wide prints every column
+BENCH_LEGEND = ("GB/s = bytes/time (slowest rank, median); e2e/raw = raw a2a/ours; limit = raw/min passes; "
+                "layer: fwd+bwd; --wide: all")  # one line of at most BENCH_WIDTH
+
+
+def _values(points: List[dict], key: str) -> List[str]:
+    return list(dict.fromkeys(_wire(p) if key == "wire" else str(p[key]) for p in points))
+
+
+def bench_config(points: List[dict], only_constant: bool = False) -> str:
+    """The grid in one line, e.g. "W=4 T=512,2048 H=1024 K=2 E=16 C=1 float32 wire=x uniform" (dtype and
+    workload unlabelled); ``only_constant``: the axes with one value only."""
+    out = []
+    for key, label in _CONFIG:
+        vals = _values(points, key)
+        if not (only_constant and len(vals) > 1):
+            out.append(f"{label}={','.join(vals)}" if label else ",".join(vals))
+    return " ".join(out)
+
+
+def format_bench(points: List[dict], wide: bool = False) -> str:
+    """The bench table as text: by default the main figures in at most BENCH_WIDTH columns (the grid's
+    constant axes in the title line, the varying ones as columns) and a one-line legend; ``wide``: every
+    figure and the full legend, as wide as they need."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    if wide:
+        return _format_bench_wide(points)
+    varying = [(key, label or key) for key, label in _CONFIG if len(_values(points, key)) > 1]
+    title = "moe-comm bench: dispatch/combine vs raw all_to_all_single | " + bench_config(points, only_constant=True)
+    fp8 = any(p.get("dispatch_dtype") for p in points)
+    calls = any(p.get("call_s") for p in points)
+    # two-line headers: the columns are as narrow as their numbers
+    cols = [lab for _, lab in varying] + ["KiB/\npair", "disp\nGB/s", "comb\nGB/s", "raw\nGB/s", "e2e/\nraw", "limit",
+                                          "path", "layer\nms"]
+    if fp8:
+        cols.insert(cols.index("comb\nGB/s"), "disp wire\nGB/s")
+    if calls:
+        cols += ["call / dedup\nms", "dedup\nwire"]
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for c in cols:
+        t.add_column(c, justify="right")
+    for p in points:
+        row = [_values([p], k)[0] for k, _ in varying]
+        row += [f"{p['bytes_per_pair'] / 1024:.0f}", _num(p["dispatch_logical_gbps"]),
+                _num(p["combine_logical_gbps"]), _num(p["raw_gbps"]), f"{p['end_to_end_vs_raw']:.2f}",
+                f"{p['serial_limit_vs_raw']:.2f}", "p2p" if p["direct"] else "a2a",
+                f"{p['layer_step_s'] * 1e3:.1f} {_short(p.get('layer_transport', ''))}" if p["layer_step_s"] else "-"]
+        if fp8:
+            row.insert(len(varying) + 2, _num(p["dispatch_wire_gbps"]))
+        if calls:
+            row += ([f"{p['call_s'] * 1e3:.2f} / {p['call_dedup_s'] * 1e3:.2f}", _dedup_wire(p)] if p.get("call_s")
+                    else ["-", "-"])
+        t.add_row(*row)
+    console = Console(file=io.StringIO(), width=BENCH_WIDTH, color_system=None, force_terminal=False)
+    console.print(title, overflow="fold")
+    console.print(t)
+    console.print(BENCH_LEGEND, overflow="fold")
+    return console.file.getvalue()
+
+
+def _print_bench(points: List[dict], wide: bool = False) -> None:
+    print(format_bench(points, wide), end="")
+
+
+def _format_bench_wide(points: List[dict]) -> str:
     from rich.console import Console
     from rich.table import Table
 
@@ -243,7 +314,9 @@ def _print_bench(points: List[dict]) -> None:
                  + ("; call ms / dedup ms = pipelined Dispatcher call, identity experts, forward only, one chunk, "
                     "without / with dedup (one copy per (token, rank)); dedup wire = its wire bytes (both "
                     "directions) / the plain call's" if calls else ""))
-    Console(width=300).print(t)  # one row per point with every figure: wider than most terminals
+    console = Console(file=io.StringIO(), width=1000, color_system=None, force_terminal=False)
+    console.print(t)  # one row per point with every figure, no column squeezed: wider than most terminals
+    return console.file.getvalue()
 
 
 def _num(v: float) -> str:
@@ -268,11 +341,10 @@ def _short(transport: str) -> str:
     return {"all_to_all": "(a2a)", "point_to_point": "(p2p)", "local": "(local)"}.get(transport, "")
 
 
-def _plot_bench(points: List[dict], path: str) -> None:
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise SystemExit("error: --plot needs matplotlib: pip install 'moe_comm[plot]'") from None
+def bench_figure(points: List[dict]):
+    """A matplotlib Figure of throughput vs message size, titled with the grid (``bench_config``)."""
+    from matplotlib.figure import Figure
+
     pts = sorted(points, key=lambda p: p["bytes_per_pair"])
     x = [p["bytes_per_pair"] / 2 ** 20 for p in pts]
     fig = Figure(figsize=(8, 5))  # no pyplot, no matplotlib.use: the caller's backend is untouched
@@ -285,11 +357,20 @@ def _plot_bench(points: List[dict], path: str) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("message per rank pair (MiB)")
     ax.set_ylabel("GB/s (wire bytes leaving a rank / time)")
-    ax.set_title(f"Dispatch throughput vs message size, {pts[0]['world_size']} ranks" if pts else "no points")
+    ax.set_title(f"moe-comm bench: dispatch throughput vs message size\n{bench_config(pts)}" if pts else "no points",
+                 fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
+
+
+def _plot_bench(points: List[dict], path: str) -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit("error: --plot needs matplotlib: pip install 'moe_comm[plot]'") from None
+    bench_figure(points).savefig(path, dpi=120)
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:
@@ -318,7 +399,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     if not points:
         print("error: the ranks returned no results", file=sys.stderr)
         return 1
-    _print_bench(points)
+    _print_bench(points, wide=ns.wide)
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump({"command": "bench", "options": opts,
@@ -428,6 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", default=None, help="write all figures to this JSON file")
     b.add_argument("--plot", default=None, help="write a PNG of throughput vs message size (needs matplotlib)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.add_argument("--wide", action="store_true",
+                   help=f"print every column (phases, layer per transport, ...) and the full legend; default: the "
+                        f"main figures in {BENCH_WIDTH} columns")
     b.set_defaults(func=cmd_bench)
 
     pr = sub.add_parser("profile", help="run a layer N steps with the timeline on; diagnose where the step goes",

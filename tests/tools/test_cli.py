@@ -1,4 +1,6 @@
-"""Tier 2: every `moe-comm` subcommand on tiny sizes (spawns gloo ranks); tier 1: argument errors.
+"""Tier 2: every `moe-comm` subcommand on tiny sizes (spawns gloo ranks); tier 1: argument errors, the bench
+table (120 columns by default, every column with --wide, a one-line legend) and the bench plot's title on
+synthetic points.
 
 Checks the JSON schema and that the figures are positive and consistent
 (dispatch bytes = routed rows x H x element size; with FP8 the wire bytes are routed rows x
@@ -27,6 +29,7 @@ def test_bench_json_schema_and_consistency(tmp_path):
     r = _run("bench", "--world-size", "2", "--tokens", "16,48", "--hidden", "8", "--experts", "4", "--top-k", "2",
              "--repeats", "2", "--ffn", "8", "--quiet", "--json", str(out), "--plot", str(png))
     assert r.returncode == 0, r.stderr
+    assert max(len(ln) for ln in r.stdout.splitlines()) <= 120 and "T=" not in r.stdout.splitlines()[0]
     data = json.loads(out.read_text())
     assert data["command"] == "bench" and len(data["points"]) == 2
     assert data["cached_freed_memory"] is True  # spawned ranks, moe_comm.tools.launch.cache_freed_memory
@@ -104,7 +107,7 @@ def test_bench_dedup_times_the_pipelined_call(tmp_path):
     r = _run("bench", "--world-size", "2", "--tokens", str(T), "--hidden", str(H), "--experts", "4", "--top-k",
              str(K), "--repeats", "2", "--ffn", "8", "--quiet", "--dedup", "--json", str(out))
     assert r.returncode == 0, r.stderr
-    assert "dedup ms" in r.stdout
+    assert "call / dedup" in r.stdout and max(len(ln) for ln in r.stdout.splitlines()) <= 120
     (p,) = json.loads(out.read_text())["points"]
     assert p["dedup"] is True and p["call_s"] > 0 and p["call_dedup_s"] > 0 and p["layer_step_s"] > 0
     assert set(p["layer_step_by_transport_s"]) == {"all_to_all"}
@@ -164,6 +167,71 @@ def test_profile_writes_trace_png_and_diagnosis(tmp_path):
     assert (tmp_path / "timeline.png").stat().st_size > 1000
     prof = json.loads((tmp_path / "profile.json").read_text())
     assert prof
+
+
+def _point(tokens=512, workload="uniform", fp8=False, dedup=False):
+    """A synthetic bench point with every key ``bench_rank`` writes (figures plausible, not measured)."""
+    from moe_comm.tools.bench import BenchPoint
+
+    nbytes, wire = tokens * 2 * 1024 * 4, tokens * 2 * (ops.packed_width(1024) if fp8 else 4096)
+    d, c, r = 2.5e-3 * tokens / 512, 2.8e-3 * tokens / 512, 1.9e-3 * tokens / 512
+    phases = {k: 1e-4 for k in ("layout", "permute", "counts", "a2a", "regroup", "unpermute", "barrier")}
+    phases.update(min_dispatch=2.1e-3 * tokens / 512, min_combine=2.2e-3 * tokens / 512)
+    p = BenchPoint(world_size=4, tokens=tokens, hidden=1024, experts=16, top_k=2, dtype="float32",
+                   dispatch_bytes=nbytes, dispatch_s=d, combine_s=c, raw_a2a_s=r, dispatch_gbps=nbytes / d / 1e9,
+                   combine_gbps=nbytes / c / 1e9, raw_gbps=wire / r / 1e9, dispatch_vs_raw=r / d, combine_vs_raw=r / c,
+                   tokens_per_s=tokens / (d + c), end_to_end_vs_raw=2 * r / (d + c), bytes_per_pair=nbytes // 4,
+                   workload=workload, layer_step_s=0.0123, layer_transport="all_to_all",
+                   layer_step_by_transport_s={"all_to_all": 0.0123, "point_to_point": 0.0131,
+                                              "all_to_all_regroup": 0.0127},
+                   phases_s=phases, serial_limit_vs_raw=0.88, cached_freed_memory=True,
+                   dispatch_dtype="float8_e4m3fn" if fp8 else "", dispatch_scales="fp32" if fp8 else "",
+                   dedup=dedup, dispatch_logical_bytes=nbytes, dispatch_wire_bytes=wire, combine_logical_bytes=nbytes,
+                   combine_wire_bytes=nbytes, dispatch_logical_gbps=nbytes / d / 1e9, dispatch_wire_gbps=wire / d / 1e9,
+                   combine_logical_gbps=nbytes / c / 1e9, combine_wire_gbps=nbytes / c / 1e9, raw_bytes=wire,
+                   raw_combine_a2a_s=r)
+    if dedup:
+        p.call_s, p.call_dedup_s = 1.5e-3, 1.2e-3
+        p.call_bytes = {"dispatch_wire": 100, "combine_wire": 100}
+        p.call_dedup_bytes = {"dispatch_wire": 80, "combine_wire": 70}
+    return p.as_dict()
+
+
+@pytest.mark.parametrize("fp8,dedup", [(False, False), (True, False), (False, True), (True, True)])
+def test_bench_table_fits_120_columns(fp8, dedup):
+    """Tier 1: the default table of a 3 x 2 grid (tokens x workload) fits 120 columns: the constant axes
+    in the title line, the varying ones (T, workload) as columns, one line of legend; --wide has every
+    column (wider than 120)."""
+    points = [_point(T, wl, fp8, dedup) for wl in ("uniform", "zipf") for T in (512, 2048, 8192)]
+    text = cli.format_bench(points)
+    lines = text.splitlines()
+    assert max(len(ln) for ln in lines) <= cli.BENCH_WIDTH == 120, "\n".join(ln for ln in lines if len(ln) > 120)
+    wire = "wire=fp8" if fp8 else "wire=x" + (" +dedup" if dedup else "")
+    assert lines[0].startswith("moe-comm bench: dispatch/combine vs raw all_to_all_single | W=4 H=1024 K=2 "
+                               "E=16 C=1 float32 " + wire)
+    assert lines[-1] == cli.BENCH_LEGEND and len(cli.BENCH_LEGEND) <= 120      # one line of legend
+    top, bottom = lines[2].split(), lines[3].split()               # two-line headers
+    assert "───" in lines[4]
+    assert bottom[:2] == ["T", "workload"] and {"limit", "path"} <= set(bottom)
+    for word in ("KiB/", "disp", "comb", "raw", "e2e/", "layer"):
+        assert word in top, word
+    assert ("wire" in top) is fp8 and ("dedup" in top) is dedup
+    assert sum(" zipf " in ln for ln in lines) == 3 and "12.3 (a2a)" in text
+    if dedup:
+        assert "1.50 / 1.20" in text and "0.75x" in text
+    wide = cli.format_bench(points, wide=True)
+    assert max(len(ln) for ln in wide.splitlines()) > 120
+    for col in ("layout", "unperm", "layer p2p", "a2a+regroup", "tok/s"):
+        assert col in wide and col not in text, col
+
+
+def test_bench_plot_title_names_the_config():
+    """Tier 1: the plot's title names the grid (world size, T values, H, K, E, C, dtype, wire, workload)."""
+    pytest.importorskip("matplotlib")
+    points = [_point(T) for T in (2048, 512)]
+    title = cli.bench_figure(points).axes[0].get_title()
+    assert title.splitlines()[1] == "W=4 T=512,2048 H=1024 K=2 E=16 C=1 float32 wire=x uniform"
+    assert cli.bench_config(points, only_constant=True) == "W=4 H=1024 K=2 E=16 C=1 float32 wire=x uniform"
 
 
 def test_profile_bad_workload_param_exits_2(capsys):
