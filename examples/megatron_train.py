@@ -47,7 +47,8 @@ def _cpu_stubs():
     """CPU only: what Megatron-Core 0.16.1 reaches for that has no CPU path (none of it is moe_comm's).
     ``torch.cuda.current_device`` -> cpu (the router and the all-to-all mapping allocate there); the alltoall
     dispatcher's CUDA side stream -> a placeholder, and its device-to-host copy -> Python lists at the same
-    point; the CUDA RNG tracker's fork (around attention dropout, 0 here) -> no-op; ``moe_utils.te_general_gemm`` = None when Transformer Engine is absent (Megatron's own fallback)."""
+    point; the CUDA RNG tracker's fork (around attention dropout, 0 here) -> no-op;
+    ``moe_utils.te_general_gemm`` = None when Transformer Engine is absent (Megatron's own fallback)."""
     from megatron.core import tensor_parallel
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher

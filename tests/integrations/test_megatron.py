@@ -222,6 +222,37 @@ def test_strict_nonfinite_token_raises_on_every_rank(ranks):
         assert typ == "ValueError" and "non-finite" in msg and "rank(s) [1]" in msg, (typ, msg)
 
 
+
+def _rank_expert_raises(rank, W):
+    import torch.distributed as dist
+
+    from moe_comm.integrations.megatron import use_moe_comm
+
+    group = dist.new_group(list(range(W)))  # its own group: the timeout marks it unusable, not the pool's WORLD
+    A = mc.build_layer(mc.config(W=W), group)
+    assert use_moe_comm(A, timeout=2.0) == 1
+    if rank == 1:
+        def boom(*args, **kwargs):
+            raise RuntimeError("expert failed on rank 1")
+        A.experts.forward = boom  # this test's failure, between dispatch and combine
+    x, _ = _tokens(rank, 16, torch.float32)
+    try:
+        mc.OnCPU(A)(x)
+    except Exception as err:  # noqa: BLE001
+        return type(err).__name__, str(err)
+    return None
+
+
+@pytest.mark.multirank
+@pytest.mark.nccl_rules_exempt("a rank stops before combine on purpose; the rules mode's side check would time out "
+                               "first and raise NcclRuleError instead of moe_comm's CollectiveError")
+def test_expert_failure_on_one_rank_names_it_on_the_others_after_timeout(ranks):
+    """Megatron's layer runs its experts between token_dispatch and token_combine, outside the dispatcher: a
+    rank whose experts raise never reaches combine; its peers raise CollectiveError naming it (timeout)."""
+    (t0, m0), (t1, m1) = ranks(2).run(_rank_expert_raises)
+    assert t1 == "RuntimeError" and "expert failed" in m1
+    assert t0 == "CollectiveError" and "combine" in m0 and "EP rank 1" in m0
+
 def test_topk_of_routing_map():
     """Tier 1: routing_map [T, E] -> chosen experts in id order, -1 where the router dropped a slot."""
     from moe_comm.integrations.megatron import _topk_of
@@ -233,3 +264,16 @@ def test_topk_of_routing_map():
     assert w[0].tolist() == pytest.approx([0.3, 0.7]) and w[1, 0].item() == 1.0
     w.sum().backward()
     assert probs.grad[0].tolist() == [0.0, 1.0, 0.0, 1.0]
+
+
+@pytest.mark.multirank
+def test_example_trains_equal_to_alltoall_and_checkpoints_cross_load(tmp_path):
+    """examples/megatron_train.py scaled down: 2 gloo ranks, 1 MoE layer, 2 steps (its own checks: loss within
+    1e-5 of the alltoall run at every step, equal state-dict keys, each checkpoint loaded by the other run)."""
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "examples", "megatron_train.py"), "--world-size", "2",
+                           "--steps", "2", "--layers", "1", "--checkpoint-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "OK" in proc.stdout and "state-dict keys equal: True" in proc.stdout
+    assert len(list(tmp_path.glob("megatron_train_*_rank*.pt"))) == 4
