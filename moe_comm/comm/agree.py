@@ -22,7 +22,7 @@ import torch.distributed as dist
 from moe_comm.comm.collectives import (CollectiveError, GroupTable, check_usable, group_device, issuing, poison,
                                        record_arrival, wait_work)
 
-__all__ = ["agree", "agree_ep_dp", "agreements", "disagreement", "RemoteError"]
+__all__ = ["agree", "agree_ep_dp", "agreements", "disagreement", "RemoteError", "with_context"]
 
 _MAGIC = "moe_comm.agree/1"
 _MISSING = "<not given>"  # a field one rank sends and another does not
@@ -33,6 +33,16 @@ _COUNTS = GroupTable()
 
 class RemoteError(ValueError):
     """Raised on the ranks whose own input was fine when another rank rejected its input."""
+
+
+def with_context(err: BaseException, text: str) -> BaseException:
+    """A new ``type(err)`` whose message is ``text`` (err's own message plus what the group knows), carrying
+    err's traceback and notes. Raise it ``from None``: a chained cause would print err's message a second
+    time in the traceback."""
+    new = type(err)(text).with_traceback(err.__traceback__)
+    for note in getattr(err, "__notes__", ()):
+        new.add_note(note)
+    return new
 
 
 def agreements(group: Optional[dist.ProcessGroup]) -> int:
@@ -165,8 +175,8 @@ def agree(group: Optional[dist.ProcessGroup], values: Dict[str, Any], *, what: s
                          + (f"; also rejected: {reasons}" if failed else "")) from local_error
     if failed:
         if local_error is not None:
-            raise type(local_error)(f"{local_error} [{what}: EP rank {rank}; rank(s) {failed} rejected their "
-                                    "arguments, every rank raised]") from local_error
+            raise with_context(local_error, f"{local_error} [{what}: EP rank {rank}; rank(s) {failed} rejected "
+                                            "their arguments, every rank raised]") from None
         raise RemoteError(f"{what}: EP rank(s) {failed} rejected their arguments, every rank raised ({reasons})")
     names = list(values) + [k for _, _, v, _ in every for k in v if k not in values]
     diffs = [d for d in (disagreement(f"{what}: {name}", [v.get(name, _MISSING) for _, _, v, _ in every], repr)

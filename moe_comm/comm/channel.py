@@ -16,7 +16,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from moe_comm.comm.agree import RemoteError, agreements, disagreement
+from moe_comm.comm.agree import RemoteError, agreements, disagreement, with_context
 from moe_comm.comm.collectives import (REBUILD, CollectiveError, check_usable, group_device, group_rank, group_size,
                                        issuing, poison, record_arrival, wait_work)
 from moe_comm.comm.wire import (HEADER_WORDS, MAGIC, MESSAGE_WORDS, PHASE_TEXT, Failure, Phase, ProtocolError, Word,
@@ -312,21 +312,27 @@ class Channel:
                                  f"({', '.join(str(rows[r][word]) for r in bad)}); {outcome}")
 
     def _raise_failure(self, pending: Pending, rows: List[List[int]], failed: List[int], deferred: bool) -> None:
-        lines = []
+        err = pending.local_error
+        # This rank's own error leads the message: not repeated for the ranks that sent the same text (a
+        # misuse every rank detects alike, e.g. a DDP wrapper over the experts); equal texts of peers once.
+        own = None if err is None else encode_message(f"{type(err).__name__}: {err}").tolist()
+        by_text: Dict[Tuple[str, str], List[int]] = {}
         for r in failed:
             chunk = rows[r][Word.CHUNK]
             where = ("after its call's last exchange, carried here" if chunk == EARLIER else
                      "before any rows moved" if chunk < 0 else f"at chunk {chunk}")
-            msg = decode_message(rows[r][HEADER_WORDS:HEADER_WORDS + MESSAGE_WORDS])
-            lines.append(f"EP rank {r} ({where}): {msg}")
+            words = rows[r][HEADER_WORDS:HEADER_WORDS + MESSAGE_WORDS]
+            msg = "this same error" if words == own else decode_message(words)
+            by_text.setdefault((where, msg), []).append(r)
+        lines = [f"EP rank {rs[0]} ({where}): {msg}" if len(rs) == 1 else f"EP ranks {rs} ({where}): {msg}"
+                 for (where, msg), rs in by_text.items()]
         ctx = (f"[{describe_position(rows[self.rank])}: EP rank(s) {failed} failed: " + "; ".join(lines)
                + ("; every rank raised at this later read: that call returned placeholder rows on every rank, "
                   "discard what it produced]" if deferred else "; every rank raised, no rank returns a value from "
                   "this call]"))
-        err = pending.local_error
         if err is not None:
             if type(err) in (TypeError, ValueError, RuntimeError):
-                raise type(err)(f"{err} {ctx}") from err
+                raise with_context(err, f"{err} {ctx}") from None
             if hasattr(err, "add_note"):  # any other type is re-raised as it is, with the context as a note
                 err.add_note(f"moe_comm: {ctx}")
             raise err

@@ -205,7 +205,10 @@ def wait_work(work, phase: str, chunk: int = -1, *, timeout: Optional[float] = N
                     + [f"EP rank {r} never arrived" for r in missing]) + "."
         poison(group, f"the {at} {what} ({direction}) on EP rank {rank}: {e}")
         raise CollectiveError(f"moe_comm: EP rank {rank}: the {at} {what} ({direction}) failed or timed out; a "
-                              f"peer rank may have died or stalled.{stuck} {REBUILD}. Cause: {e}") from e
+                              f"peer rank may have died or stalled.{stuck} Every rank of the group must make the "
+                              "same calls: an MoELayer is collective, so every rank of its EP group must call it "
+                              "(forward, and backward when training), also in eval mode and under torch.no_grad(); "
+                              f"a layer called on some ranks only waits here. {REBUILD}. Cause: {e}") from e
 
 
 def _launched_processes() -> int:

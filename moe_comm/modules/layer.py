@@ -433,7 +433,11 @@ class MoELayer(LayerLoad, nn.Module):
         if x.dim() < 1 or x.shape[-1] != H:
             return ValueError(f"x must have last dimension hidden_size={H}, got shape {tuple(x.shape)}")
         if x.dtype != self.experts.w1.dtype:
-            return TypeError(f"x must have the experts' dtype {self.experts.w1.dtype}, got {x.dtype}")
+            # Short enough (< 256 bytes) to reach the peers whole through the control exchange, fix included.
+            want, low = self.experts.w1.dtype, x.dtype in (torch.bfloat16, torch.float16)
+            amp = f"; or pass {want} x under torch.autocast(device_type, dtype={x.dtype})" if low else ""
+            return TypeError(f"x has dtype {x.dtype}, not the experts' dtype {want}: cast the input, x.to({want}), or "
+                             f"the layer, layer.to({x.dtype}){amp}")
         if x.device != self.experts.w1.device:
             return ValueError(f"x must be on the layer's device {self.experts.w1.device}, got {x.device}")
         if x.is_inference() and torch.is_grad_enabled() and not torch.is_inference_mode_enabled() \

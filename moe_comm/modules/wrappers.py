@@ -91,15 +91,19 @@ def data_parallel_error(layer) -> Optional[Exception]:
         # rank is one of them), so every rank of the wrapper reaches the same verdict and the same text.
         clash = sorted(set(ranks or ()) & ep_ranks)
         if len(clash) > 1:
-            kind = "DistributedDataParallel" if isinstance(m, ddp_cls) else "fully_shard (FSDP2)"
+            if isinstance(m, ddp_cls):
+                kind, harm = "DistributedDataParallel", (
+                    "DDP broadcast rank 0's experts to every rank when it wrapped the model (rebuild the model or "
+                    "load a checkpoint: its experts are overwritten) and would average different experts' gradients")
+                fix = "moe_comm.parallel.wrap_ddp(model) (moe_comm.parallel.fully_shard_moe(model, mesh) for FSDP2)"
+            else:
+                kind, harm = "fully_shard (FSDP2)", "FSDP2 would assemble one tensor out of different ranks' experts"
+                fix = "moe_comm.parallel.fully_shard_moe(model, mesh) (moe_comm.parallel.wrap_ddp(model) for DDP)"
+            # One statement of the error, the same on every rank: the control exchange adds no copy of it.
             return RuntimeError(
                 f"MoELayer: {kind} over ranks {sorted(ranks)} manages this layer's expert parameters "
                 f"(experts.w1/w3/w2), but its ranks {clash} hold DIFFERENT experts (each is a different rank of "
-                f"this layer's EP group {sorted(ep_ranks)}). DDP broadcast rank 0's experts to every rank when it "
-                f"wrapped the model and would average different experts' gradients; FSDP2 would assemble one "
-                f"tensor out of different ranks' experts. Use moe_comm.parallel.wrap_ddp(model) or "
-                f"moe_comm.parallel.fully_shard_moe(model, mesh): they keep the experts out of the wrapper "
-                f"and reduce their gradients over each layer's dp_group. Rebuild the model (or load a "
-                f"checkpoint) first: with DDP its experts are already overwritten.")
+                f"this layer's EP group {sorted(ep_ranks)}): {harm}. Use {fix}: it keeps the experts out of the "
+                f"wrapper and reduces their gradients over each layer's dp_group.")
         checked[id(m)] = weakref.ref(m)
     return None
