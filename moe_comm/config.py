@@ -61,6 +61,12 @@ class MoEConfig:
             one scale per 128 elements (``Dispatcher(dispatch_dtype=)``); combine and the backward stay in the
             layer's dtype.
         dispatch_scales: "fp32" (default) or "ue8m0" (power-of-two scales) for FP8 dispatch.
+        ranks_per_node: None (default): flat dispatch. L or "auto" (torchrun's LOCAL_WORLD_SIZE): EP ranks
+            k*L .. k*L+L-1 form node k, and a token crosses to each destination node once, then fans out
+            inside it (``Dispatcher(ranks_per_node=)``). Not with max_tokens_per_rank nor num_chunks="auto".
+        node_limited: node-limited routing: the ``num_groups`` expert groups are the nodes (checked when the
+            layer is built: num_groups = EP size / ranks_per_node), so ``topk_groups`` is the most nodes a
+            token's experts span. Needs ranks_per_node and num_groups.
     """
 
     hidden_size: int
@@ -84,6 +90,8 @@ class MoEConfig:
     dedup: bool = False
     dispatch_dtype: Optional[torch.dtype] = None
     dispatch_scales: Literal["fp32", "ue8m0"] = "fp32"
+    ranks_per_node: Union[None, int, Literal["auto"]] = None
+    node_limited: bool = False
 
     def __post_init__(self) -> None:
         for name, low in (("hidden_size", 1), ("ffn_hidden_size", 1), ("num_experts", 1), ("top_k", 1),
@@ -138,6 +146,17 @@ class MoEConfig:
             raise ValueError("MoEConfig.dispatch_dtype must be None or torch.float8_e4m3fn, got "
                              f"{self.dispatch_dtype!r}")
         check_choice("MoEConfig.dispatch_scales", self.dispatch_scales, ("fp32", "ue8m0"))
+        if self.ranks_per_node is not None and self.ranks_per_node != "auto":
+            check_int("MoEConfig.ranks_per_node", self.ranks_per_node, 1)
+        if self.ranks_per_node is not None and (self.max_tokens_per_rank is not None or self.num_chunks == "auto"):
+            raise ValueError("MoEConfig.ranks_per_node (two-level dispatch) is not available with max_tokens_per_rank "
+                             f"nor num_chunks='auto', got max_tokens_per_rank={self.max_tokens_per_rank!r}, "
+                             f"num_chunks={self.num_chunks!r}")
+        check_bool("MoEConfig.node_limited", self.node_limited)
+        if self.node_limited and (self.ranks_per_node is None or self.num_groups is None):
+            raise ValueError("MoEConfig.node_limited needs ranks_per_node and num_groups (one expert group per node, "
+                             f"topk_groups = nodes per token), got ranks_per_node={self.ranks_per_node!r}, "
+                             f"num_groups={self.num_groups!r}")
         if self.router_dtype is not None:
             if not isinstance(self.router_dtype, torch.dtype):
                 raise TypeError(f"MoEConfig.router_dtype must be None or a torch.dtype, got {self.router_dtype!r}")

@@ -43,7 +43,7 @@ from moe_comm.comm.channel import PeerFailed, as_collective_error, kept
 from moe_comm.comm.wire import Failure, Phase, Word, dtype_code
 from moe_comm.dispatch.workspace import Workspace
 
-__all__ = ["node_size", "NodeLevels", "node_groups"]
+__all__ = ["node_size", "ranks_on_node", "NodeLevels", "node_groups"]
 
 
 def node_size(ranks_per_node, group, world: int) -> Optional[int]:
@@ -51,6 +51,12 @@ def node_size(ranks_per_node, group, world: int) -> Optional[int]:
     or None when the call stays flat (one node, or one rank per node: nothing to gather per node)."""
     if ranks_per_node is None:
         return None
+    L = ranks_on_node(ranks_per_node, group, world)
+    return L if 1 < L < world else None
+
+
+def ranks_on_node(ranks_per_node, group, world: int) -> int:
+    """EP ranks per node from ``ranks_per_node`` (an int or "auto"), checked: raises ValueError naming it."""
     if ranks_per_node == "auto":
         local = os.environ.get("LOCAL_WORLD_SIZE")
         if local is None or not local.isdigit() or int(local) < 1:
@@ -69,7 +75,7 @@ def node_size(ranks_per_node, group, world: int) -> Optional[int]:
         L = ranks_per_node
         if world % L:
             raise ValueError(f"Dispatcher: ranks_per_node ({L}) must divide the EP world size ({world})")
-    return L if 1 < L < world else None
+    return L
 
 
 _NODE_WORKSPACE = Workspace()  # every node-level call's scratch rows (those calls run one after another)
@@ -126,7 +132,7 @@ class NodeLevels:
 
     # ------------------------------------------------------------------ whole-group exchanges
     def _status(self, phase: Phase, call: int, C: int, error: Optional[BaseException] = None, *,
-                row_bytes: int = -1, dtype: int = -1, dynamic=None) -> None:
+                row_bytes: int = -1, dtype: int = -1, dynamic=None, summed_X=None) -> None:
         """A control exchange over the whole EP group: raises on every rank if any rank failed or is elsewhere.
         A relayed failure (a peer's, reported by a level) is not sent: its origin sends its own."""
         d = self.d
@@ -136,8 +142,10 @@ class NodeLevels:
         failed = Failure.NONE if own is None else (
             Failure.REJECTED if phase == Phase.FORWARD and isinstance(own, (TypeError, ValueError)) else Failure.RAISED)
         with d.workspace.dropped_on_error():
-            pending = d.channel.begin(phase, hdr, local_error=own, failed=failed, dynamic=dynamic)
+            pending = d.channel.begin(phase, hdr, local_error=own, failed=failed, dynamic=dynamic, summed_X=summed_X)
             d.channel.end(pending)
+        if summed_X is not None or (phase == Phase.FORWARD and d.summed_words):
+            d.last_sum = d.channel.sum_of(pending)  # the layer's load counts, summed over the EP group
         if error is not None:  # every rank raised above unless only relays were sent: raise the relay here
             raise error
 
@@ -151,8 +159,14 @@ class NodeLevels:
                 found = late[0]
         return found
 
+    def named(self, err: BaseException) -> BaseException:
+        """A level's transport or protocol error, saying which ranks its "EP rank" numbers are."""
+        return type(err)(f"moe_comm: EP rank {self.d.rank} (node {self.node}, local rank {self.local}) in a two-level "
+                         f"call; its node's group numbers it {self.local}, its rail's group {self.node} (the rail of "
+                         f"local rank {self.local}: EP ranks {self.local}, {self.local + self.L}, ...): {err}")
+
     # ------------------------------------------------------------------ the call
-    def call(self, x_TH, topk_idx_TK, topk_weight_TK, expert_fn, num_chunks, side_fn):
+    def call(self, x_TH, topk_idx_TK, topk_weight_TK, expert_fn, num_chunks, side_fn, summed_X=None):
         from moe_comm.dispatch.dispatcher import check_call_args
 
         d = self.d
@@ -171,7 +185,8 @@ class NodeLevels:
             error = err
         C_agreed = C if isinstance(C, int) and not isinstance(C, bool) and 1 <= C <= d.max_chunks else 1
         # whole-group opening exchange: a rejected input raises on every rank before any level moves a row
-        self._status(Phase.FORWARD, call, C_agreed, error, row_bytes=row_bytes, dtype=dtype, dynamic=dynamic)
+        self._status(Phase.FORWARD, call, C_agreed, error, row_bytes=row_bytes, dtype=dtype, dynamic=dynamic,
+                     summed_X=None if error is not None else summed_X)
         run = _Run(self, topk_idx_TK, expert_fn, C, side_fn, torch.is_grad_enabled(), call)
         anchor = torch.empty(0, device=x_TH.device, requires_grad=True) if run.grad else None
         error, y_TH = None, None
@@ -179,7 +194,7 @@ class NodeLevels:
             y_TH = _NodeCall.apply(x_TH, topk_weight_TK, anchor, run)
         except Exception as err:  # noqa: BLE001 - goes to every rank in the closing exchange below
             if as_collective_error(err):
-                raise
+                raise self.named(err) from err
             error = kept(err)
         error = error or self._late()
         self._status(Phase.FORWARD_END, call, C, error)
@@ -280,7 +295,7 @@ class _NodeCall(torch.autograd.Function):
                     torch.autograd.backward([run.y], [grad_y_TH])
             except Exception as err:  # noqa: BLE001 - every rank raises at the closing exchange below
                 if as_collective_error(err):
-                    raise
+                    raise levels.named(err) from err
                 error = kept(err)
             error = error or levels._late()
             levels._status(Phase.BACKWARD_END, run.call, run.C if isinstance(run.C, int) else 1, error)

@@ -225,3 +225,111 @@ def test_node_size_auto_reads_the_launcher(monkeypatch):
     assert node_size(None, None, 4) is None
     assert node_size(2, None, 4) == 2
     assert node_size(1, None, 4) is None and node_size(4, None, 4) is None
+
+
+def _rank_forwarder_fault(rank, world_size, kind):
+    """A fault on rank 1 in the node level (its forwarding permute) or the rail level: every rank raises."""
+    from moe_comm.dispatch import send_rows
+    from moe_comm.testing import faults
+
+    E, K, T = 8, 3, 7
+    x, idx, w = _data(rank, E, K, T, drop=False)
+    d = moe_comm.Dispatcher(E, num_chunks=2, ranks_per_node=2, timeout=30)
+    original = send_rows.presend
+
+    def presend(disp, *args, **kwargs):
+        if disp is d._nodes.inner:
+            raise RuntimeError("injected forwarding fault")
+        return original(disp, *args, **kwargs)
+
+    fn = lambda t, n: t * 2.0  # noqa: E731
+    outcome = None
+    try:
+        if kind == "forward":
+            send_rows.presend = presend if rank == 1 else original
+            d(x, idx, w, fn)
+        else:
+            with (faults.inject(kind) if rank == 1 else _nothing()):
+                d(x.requires_grad_(True), idx, w, fn).sum().backward()
+        outcome = "returned"
+    except Exception as err:  # noqa: BLE001
+        outcome = f"{type(err).__name__}: {err}"
+    finally:
+        send_rows.presend = original
+    try:
+        y = d(x.detach(), idx, w, fn)  # the next call works
+        return outcome, bool(torch.isfinite(y).all())
+    except Exception as err:  # noqa: BLE001
+        return outcome, f"next call: {type(err).__name__}: {err}"
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("kind", ["forward", "permute", "unpermute"])
+def test_fault_on_a_forwarding_rank_raises_on_every_rank(ranks, kind):
+    for rank, (outcome, next_ok) in enumerate(ranks(4).run(_rank_forwarder_fault, kind)):
+        if rank == 1:
+            assert outcome.startswith("RuntimeError: inject"), outcome
+        else:
+            assert outcome.startswith("PeerFailed") and "EP rank(s) [1]" in outcome, (rank, outcome)
+        assert next_ok is True, (rank, next_ok)
+
+
+def _killed_rank(rank, world_size, init_file, q):
+    import datetime
+    import os
+    import time
+
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))
+    E = 8
+    x, idx, w = _data(rank, E, 3, 6, drop=False)
+    d = moe_comm.Dispatcher(E, num_chunks=2, ranks_per_node=2, timeout=3.0)
+
+    def expert_fn(tokens, counts):
+        if rank == 3:
+            os._exit(1)  # killed on node 1, inside the node level of the call
+        return tokens * 2
+
+    t0 = time.perf_counter()
+    try:
+        d(x, idx, w, expert_fn)
+        q.put((rank, "no error", time.perf_counter() - t0))
+    except Exception as err:  # noqa: BLE001
+        q.put((rank, f"{type(err).__name__}: {err}", time.perf_counter() - t0))
+    q.close()
+    q.join_thread()
+    os._exit(0)
+
+
+@pytest.mark.multirank
+def test_killed_rank_on_the_other_node_raises_within_the_timeout(tmp_path):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_killed_rank, args=(r, 4, str(tmp_path / "store"), q)) for r in range(4)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        while len(got) < 3:
+            rank, msg, elapsed = q.get(timeout=90)
+            got[rank] = (msg, elapsed)
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+    assert sorted(got) == [0, 1, 2]
+    for rank, (msg, elapsed) in got.items():
+        assert msg.startswith("CollectiveError") and msg.count(f"EP rank {rank} (node {rank // 2}, local rank {rank % 2})") == 1, (rank, msg)
+        assert elapsed < 2 * 3.0 + 6.0, (rank, elapsed)  # two levels' timeouts at most, plus scheduling
