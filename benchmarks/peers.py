@@ -1,9 +1,11 @@
 """moe_comm against other libraries' expert-parallel MoE layers, on CPU gloo ranks, in one run.
 
 Runs whichever peers are installed (it installs nothing; each adapter in ``benchmarks/peer_adapters/`` names
-its pip line): torchtitan, DeepSpeed-MoE, Megatron-Core. Every layer gets the weights of one moe_comm layer
-(softmax top-k routing, renormalised, dropless, SwiGLU experts, float32; moe_comm with its defaults, C = 1),
-so all compute the same function:
+its pip line): torchtitan, DeepSpeed-MoE, Megatron-Core; and "framework + moe_comm" rows next to "framework
+alone": the framework's own MoE module with its dispatch replaced by moe_comm's (``moe_comm.integrations``),
+cross-checked like every layer, timed, not judged against the goal (an adapter with ``WITH_MOE_COMM = True``).
+Every layer gets the weights of one moe_comm layer (softmax top-k routing, renormalised, dropless, SwiGLU
+experts, float32; moe_comm with its defaults, C = 1), so all compute the same function:
 - cross-check: each peer's output and input gradient against moe_comm's on the same tokens (max |difference|
   over every rank / max |moe_comm's value|); above 1e-5 the peer computes another function: it is marked
   MISMATCH and the run exits 1;
@@ -50,7 +52,14 @@ from moe_comm.tools.bench import timed  # noqa: E402
 from moe_comm.tools.slow_link import json_worker_main, run_json_worker  # noqa: E402
 from peer_adapters import plain_torch  # noqa: E402
 
-ADAPTERS = ("torchtitan_moe", "deepspeed_moe", "megatron_moe")
+# The adapters --peers tries by default, one per line; a "framework + moe_comm" adapter (WITH_MOE_COMM = True)
+# follows its framework's.
+ADAPTERS = (
+    "torchtitan_moe",
+    "torchtitan_moe_comm",
+    "deepspeed_moe",
+    "megatron_moe",
+)
 GOAL = 0.5  # moe_comm's overhead <= 0.5 x each peer's
 BARE, RAW, PLAIN = "bare GEMMs", "4 x raw all-to-all", "plain torch"
 AGREE = 1e-5  # max |difference| / max |moe_comm's value|, output and input gradient: above it, no timing verdict
@@ -132,8 +141,11 @@ def _shape_main(rank, W, a, shape):
                              norm_topk_prob=True)
     ref = moe_comm.MoELayer(cfg, seed=1)
     layers, skipped = {"moe_comm": ref, PLAIN: plain_torch.build(ref, dist.group.WORLD)}, {}
+    with_moe_comm = set()  # "framework + moe_comm" layers: no verdict against moe_comm
     for name in a["peers"]:
         m = _adapter(name)
+        if getattr(m, "WITH_MOE_COMM", False):
+            with_moe_comm.add(m.NAME)
         try:  # an adapter refuses a configuration it cannot compute (on every rank, before any collective)
             layers[m.NAME] = m.build(ref, dist.group.WORLD)
         except (ValueError, NotImplementedError) as err:
@@ -183,8 +195,9 @@ def _shape_main(rank, W, a, shape):
             entry["floor_ratio"] = raw / statistics.median(over[n])  # the lowest ours/theirs moving these rows
             # the plain layer's overhead / this one's: where a layer with the fewest passes stands against it
             entry["plain_ratio"] = statistics.median(over[PLAIN]) / statistics.median(over[n])
-            if n != PLAIN:
+            if n != PLAIN and n not in with_moe_comm:
                 entry["pass"] = checks[n]["agrees"] and entry["ours_over_theirs"] <= GOAL
+            entry["with_moe_comm"] = n in with_moe_comm
         out["layers"][n] = entry
     return out
 
@@ -231,7 +244,8 @@ def _print(results):
                 c = e.get("check")
                 ratio = ""
                 if c:
-                    verdict = "MISMATCH" if not c["agrees"] else "" if n == PLAIN else "ok" if e["pass"] else "MISS"
+                    verdict = ("MISMATCH" if not c["agrees"] else "" if "pass" not in e
+                               else "ok" if e["pass"] else "MISS")
                     plain = "" if n == PLAIN else f", plain {e['plain_ratio']:.2f}"
                     ratio = " ".join(v for v in (f"{e['ours_over_theirs']:.2f}", verdict,
                                                  f"(floor {e['floor_ratio']:.2f}{plain})") if v)

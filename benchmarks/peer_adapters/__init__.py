@@ -15,4 +15,8 @@ It returns a module whose ``forward(x_TH) -> y_TH`` computes the same function w
 token dispatcher and expert parallelism over ``group``, dropless; copies of the weights (not shared
 storage), so both layers' backward passes can run in one process. Whatever the peer needs that has no CPU
 path (CUDA streams, device queries) is replaced in the adapter, narrowly, and said so in its docstring.
+
+A "framework + moe_comm" adapter (the framework's MoE module with its dispatch through ``moe_comm.integrations``)
+also sets ``WITH_MOE_COMM = True``: ``peers.py`` then shows its row next to the framework's, cross-checked and
+timed, without a verdict against moe_comm. Register an adapter in ``peers.ADAPTERS`` (one line each).
 """
