@@ -2,20 +2,51 @@
 
 Shapes legend: E experts (global), W EP world size, S window steps.
 Both read the monitor through ``LoadMonitor.read_state`` / ``summary`` / ``history`` (the host sync).
+The plot names its layer: ``model_monitors(model)`` names every layer's monitor by its module path
+(``monitor.name``), or pass ``layer=`` to ``plot_load``.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-from typing import TYPE_CHECKING, List, Optional, Union
+from typing import TYPE_CHECKING, Dict, List, Optional, Union
 
 import torch
 
 if TYPE_CHECKING:
     from moe_comm.monitor.load import LoadMonitor
 
-__all__ = ["write_json", "plot_load", "json_safe"]
+__all__ = ["write_json", "plot_load", "load_figure", "model_monitors", "json_safe", "BALANCEDNESS"]
+
+BALANCEDNESS = ("balancedness = mean / max tokens per expert, summed over the window "
+                "(1: even; 1/E: one expert takes all)")
+
+
+def model_monitors(model) -> Dict[str, "LoadMonitor"]:
+    """Every layer's LoadMonitor in ``model`` (a ``torch.nn.Module``; layers without one are skipped), keyed by
+    the layer's module path from ``model.named_modules()``; each is named after it (``monitor.name``), which
+    its plot's title shows. Raises ValueError when two layers share one monitor or none has one."""
+    from moe_comm.monitor.load import LoadMonitor
+
+    if not hasattr(model, "named_modules"):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    found: Dict[str, LoadMonitor] = {}
+    for path, module in model.named_modules():
+        mon = getattr(module, "monitor", None)
+        if not isinstance(mon, LoadMonitor):
+            continue
+        for other, seen in found.items():
+            if seen is mon:
+                raise ValueError(f"model_monitors: {other!r} and {path!r} share one LoadMonitor; give each layer its "
+                                 f"own (the default) so their loads can be told apart")
+        found[path] = mon
+    if not found:
+        raise ValueError(f"model_monitors: {type(model).__name__} holds no module with a LoadMonitor (an MoELayer "
+                         f"has one as .monitor unless built with monitor=False)")
+    for path, mon in found.items():
+        mon.name = path
+    return found
 
 
 def json_safe(value):
@@ -56,8 +87,16 @@ def _runs(mask_ES: torch.Tensor) -> List[tuple]:
 
 
 def plot_load(monitor: "LoadMonitor", path: Union[str, os.PathLike], title: Optional[str] = None,
-              dpi: int = 120) -> str:
-    """Host sync. Save a PNG (any format matplotlib infers from ``path``) of ``monitor`` with three panels:
+              dpi: int = 120, *, layer: Optional[str] = None) -> str:
+    """Host sync. Save ``load_figure(monitor, title, layer=layer)`` as a PNG (any format matplotlib infers
+    from ``path``). Needs matplotlib (``pip install moe_comm[plot]``)."""
+    fig = load_figure(monitor, title, layer=layer)
+    fig.savefig(path, dpi=dpi)
+    return os.fspath(path)
+
+
+def load_figure(monitor: "LoadMonitor", title: Optional[str] = None, *, layer: Optional[str] = None):
+    """Host sync. A matplotlib Figure of ``monitor`` with three panels:
 
     - heatmap experts x steps of load / mean load of the step (diverging colormap, white = 1 = even,
       red = hotter, blue = colder), rank boundaries as lines, hot periods outlined in black and the
@@ -66,7 +105,9 @@ def plot_load(monitor: "LoadMonitor", path: Union[str, os.PathLike], title: Opti
     - tokens per rank (mean per step over the window) as bars, whiskers from the least to the most
       loaded step, the mean as a dashed line (a drifting hot spot can average out over the window
       while every single step has a straggler: the whiskers and the middle panel show it).
-    Needs matplotlib (``pip install moe_comm[plot]``).
+    The title names the layer (``layer``, else ``monitor.name`` set by ``model_monitors``; "unnamed layer"
+    otherwise) and its balancedness, defined at the foot of the figure (BALANCEDNESS). ``title`` replaces
+    the title's first line. Needs matplotlib (``pip install moe_comm[plot]``).
     """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -154,7 +195,10 @@ def plot_load(monitor: "LoadMonitor", path: Union[str, os.PathLike], title: Opti
     hot_txt = ", ".join(f"{g} (r{monitor.rank_of(g)})" for g in hot_now[:8]) + (" ..." if len(hot_now) > 8 else "")
     placed_txt = "" if placed is None else \
         f" (placed: {len(placed)} slots, rank views use this placement for every step)"
-    fig.suptitle(title or f"LoadMonitor: {E} experts on {W} ranks{placed_txt}, steps {first}-{last} | balancedness "
-                 f"{bal:.2f} | hot now: {hot_txt or 'none'}", fontsize="large")
-    fig.savefig(path, dpi=dpi)
-    return os.fspath(path)
+    name = layer if layer is not None else getattr(monitor, "name", "")
+    if title is None:
+        title = f"Layer {name}" if name else "Unnamed layer (name it: model_monitors(model))"
+    fig.suptitle(f"{title}\n{E} experts on {W} ranks{placed_txt}, steps {first}-{last} | balancedness {bal:.2f} | "
+                 f"hot now: {hot_txt or 'none'}", fontsize="large")
+    fig.supxlabel(BALANCEDNESS, fontsize="medium")
+    return fig

@@ -3,7 +3,8 @@
 Tier 1 (pure logic, one process): workloads are reproducible and plant the distribution they promise;
 monitor counts and metrics equal a brute-force recount for every workload; planted hot experts are found
 with their rank and nothing is flagged on uniform load; the hot-change callback and log record fire at
-the right steps; summary / to_json schema; plot writes a PNG (skipped without matplotlib); observe makes
+the right steps; summary / to_json schema; plot writes a PNG (skipped without matplotlib) whose title
+names the layer (model_monitors: its module path) and whose foot defines balancedness; observe makes
 no host sync (host-reading Tensor methods raise while it runs); a window too large for memory raises at
 construction; to_json writes strict JSON (null for NaN / Infinity).
 Tier 2 (multi-rank gloo, ``ranks`` fixture, 2 and 4 ranks): observe(group=...) sums over the EP group
@@ -331,6 +332,44 @@ def test_plot_writes_png(tmp_path):
         assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(RuntimeError, match="nothing observed"):
         LoadMonitor(4).plot(tmp_path / "empty.png")
+
+
+def test_plot_names_the_layer_and_defines_balancedness(tmp_path):
+    """The figure's title names the layer by its module path (model_monitors over a two-layer model) and
+    gives the balancedness it computed; the foot of the figure says what balancedness is."""
+    pytest.importorskip("matplotlib")
+    import moe_comm
+    from moe_comm.monitor import report
+
+    cfg = moe_comm.MoEConfig(hidden_size=16, ffn_hidden_size=16, num_experts=4, top_k=2)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Module(), torch.nn.Module()])
+    for i, block in enumerate(model.layers):
+        block.moe = moe_comm.MoELayer(cfg, seed=i)
+    mons = report.model_monitors(model)
+    assert list(mons) == ["layers.0.moe", "layers.1.moe"] and mons["layers.1.moe"] is model.layers[1].moe.monitor
+    counts = torch.tensor([[6, 2, 2, 2], [6, 2, 2, 2]])          # balancedness = mean 3 / max 6 = 0.50
+    mon = mons["layers.1.moe"]
+    for c in counts:
+        mon.observe(c)
+    fig = report.load_figure(mon)
+    head, stats = fig.get_suptitle().split("\n")
+    assert head == "Layer layers.1.moe" and "balancedness 0.50" in stats and "4 experts on 1 ranks" in stats
+    assert fig.get_supxlabel() == report.BALANCEDNESS
+    assert report.BALANCEDNESS.startswith("balancedness = mean / max tokens per expert")
+    assert report.load_figure(mon, "step 7", layer="blocks.9").get_suptitle().startswith("step 7\n")
+    assert report.load_figure(mon, layer="blocks.9").get_suptitle().startswith("Layer blocks.9\n")
+    anon = LoadMonitor(4)
+    anon.observe(counts[0])
+    assert report.load_figure(anon).get_suptitle().startswith("Unnamed layer (name it: model_monitors(model))")
+    path = mon.plot(tmp_path / "load.png")                         # LoadMonitor.plot goes through plot_load
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+    model.layers[1].moe.monitor = model.layers[0].moe.monitor
+    with pytest.raises(ValueError, match="'layers.0.moe' and 'layers.1.moe' share one LoadMonitor"):
+        report.model_monitors(model)
+    with pytest.raises(ValueError, match="holds no module with a LoadMonitor"):
+        report.model_monitors(torch.nn.Linear(2, 2))
 
 
 def test_plot_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
