@@ -156,12 +156,16 @@ class CallControl:
 
     def _exchange_status(self, phase: Phase, handle: DispatchHandle, error: Optional[BaseException] = None,
                          failed: Failure = Failure.NONE, chunk: int = -1, row_bytes: int = -1, dtype: int = -1,
-                         deferrable: bool = False):
+                         deferrable: bool = False, meanwhile=None):
         """A control exchange without counts (end of a phase, combine, a backward): raises on every rank
         when any rank failed or is elsewhere; ``deferrable`` end-of-phase exchanges are only issued when
         ``end_check="deferred"`` (read with the next one); in sync-free mode every one is. One process:
-        only this rank's own error. Returns the exchange when its read is deferred, else None."""
+        only this rank's own error. Returns the exchange when its read is deferred, else None.
+        ``meanwhile()``: work done while the exchange travels (waiting for the phase's last transfers, whose
+        outcome on this rank is already in it); it may raise only CollectiveError (the group is then poisoned)."""
         if self.world_size == 1:
+            if meanwhile is not None:
+                meanwhile()
             if error is not None:
                 raise error
             return
@@ -169,6 +173,8 @@ class CallControl:
         hdr[Word.CHUNK] = chunk
         with self.workspace.dropped_on_error():
             pending = self.channel.begin(phase, hdr, local_error=error, failed=failed)
+            if meanwhile is not None:
+                meanwhile()
             if self.sync_free or (deferrable and self.end_check == "deferred"):
                 self.channel.defer(pending)
                 return pending

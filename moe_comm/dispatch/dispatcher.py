@@ -109,9 +109,9 @@ class Dispatcher(CallControl):
             gradient passes the quantization straight through. Also applies to ``dispatch()`` (it returns
             dequantized rows in x's dtype) and the sync-free mode.
         dispatch_scales: "fp32" (default) or "ue8m0" (power-of-two scales, one byte each) for FP8 dispatch.
-        summed_words: float64 words a sync-free call may add to its control exchange (``__call__``'s
-            ``summed_X``), summed over the EP group there into ``last_sum``: statistics that then need no
-            collective of their own (MoELayer's load counts in the sync-free mode). Default 0.
+        summed_words: float64 words a call may add to its control exchange (``__call__``'s ``summed_X``),
+            summed over the EP group there into ``last_sum``: statistics that then need no collective of their
+            own (MoELayer's load counts). Default 0.
 
     Construction is collective when W > 1: every rank must build its Dispatchers on a group in the same
     order with the same E, max_chunks, strict and direct_min_bytes (checked: every rank raises naming
@@ -386,8 +386,8 @@ class Dispatcher(CallControl):
                 mismatch raises on every rank).
             side_fn: optional work run while the first dispatch is in flight (shared experts); when
                 given, the call returns ``(y_TH, side_fn())``.
-            summed_X: sync-free mode with ``summed_words``: [summed_words] float64 on the rows' device, summed
-                over the EP group inside the control exchange into ``last_sum`` (no collective of its own).
+            summed_X: with ``summed_words``: [summed_words] float64 on the rows' device, summed over the EP
+                group inside the call's control exchange into ``last_sum`` (no collective of its own).
         Returns: y_TH [T, H], equal for every C (chunking only changes when rows move). An exception in
         expert_fn or side_fn on any rank raises on every rank (``PeerFailed`` on the others), after the
         call's remaining exchanges completed: with end_check="eager" no rank returns a value from a failed
@@ -417,7 +417,8 @@ class Dispatcher(CallControl):
         pending, layout = self._open(Phase.FORWARD, x_TH, topk_idx_TK, C,
                                      extra_check=lambda: check_call_args(x_TH, topk_idx_TK, topk_weight_TK, expert_fn,
                                                                          side_fn),
-                                     rank_rows=rank_rows, pieces=pieces)
+                                     rank_rows=rank_rows, pieces=pieces,
+                                     summed_X=summed_X if self.summed_words else None)
         if layout is None:
             self.channel.end(pending)  # raises on every rank
         # From here until the end-of-forward exchange no exception leaves this rank: its peers would wait in the
@@ -431,6 +432,8 @@ class Dispatcher(CallControl):
             failed, send_NB, fill = err, None, None
         handle, err = self._close(pending, layout, C, x_TH.shape[1], pieces, expert_fn=expert_fn)
         failed = failed or err
+        if self.summed_words:  # every rank's words, summed on the device (the read above checked the exchange)
+            self.last_sum = self.channel.sum_of(pending)
         if send_NB is None:  # the permute failed: placeholder rows of the agreed size
             send_NB, err = handle.transport.local(
                 lambda: x_TH.new_empty(handle.layout.num_rows, self._row_width(x_TH), dtype=self._wire_dtype(x_TH)),

@@ -44,6 +44,7 @@ from moe_comm import _wgrad, ops
 from moe_comm.comm.channel import as_collective_error, kept
 from moe_comm.comm.wire import Failure, Phase
 from moe_comm.dispatch.autotune import call_expert_fn, now
+from moe_comm.dispatch.transport import InFlight
 from moe_comm.kernels import select_backend
 
 __all__ = ["run_pipeline"]
@@ -98,11 +99,12 @@ class _Failure:
             self.error, self.chunk = err, chunk
             return None
 
-    def close(self, d, phase: Phase, handle):
+    def close(self, d, phase: Phase, handle, meanwhile=None):
         """The end-of-phase control exchange: raises on every rank if any rank failed (at the next read when
-        reads are deferred: then returns that exchange)."""
+        reads are deferred: then returns that exchange). ``meanwhile()`` runs while it travels."""
         failed = Failure.NONE if self.error is None else Failure.RAISED
-        pending = d._exchange_status(phase, handle, self.error, failed, chunk=self.chunk, deferrable=True)
+        pending = d._exchange_status(phase, handle, self.error, failed, chunk=self.chunk, deferrable=True,
+                                     meanwhile=meanwhile)
         if self.error is None or pending is not None:
             return pending  # deferred: placeholder rows like its peers, so all stay in step; all raise at the next read
         raise self.error
@@ -245,10 +247,24 @@ def _schedule(run: _Run, src: Tuple[torch.Tensor, ...], out: Tuple[torch.Tensor,
                      for q in p.parts for r, o in zip(results, out)])
         if after is not None:
             failure.catch(c, after, c)
+
+    def wait_back() -> None:
+        for c, flights in enumerate(back):
+            for f, o in flights:
+                _wait(f, failure, c, chunks[c].num_rows, o)
+
+    # Once the last rows are on their way back, this rank's outcome of the phase is known: a transfer's own
+    # send-side failure is recorded when it is issued (InFlight.error), and waiting for rows that go back adds
+    # no work that can fail (no receive-side regroup) - only a CollectiveError, which poisons the group. So the
+    # end-of-phase exchange goes out now and travels while the last transfers complete (one round trip less
+    # on the phase's path); any other kind of transfer is waited for first.
     for c, flights in enumerate(back):
-        for f, o in flights:
-            _wait(f, failure, c, chunks[c].num_rows, o)
-    run.closing = failure.close(d, end, handle)
+        for f, _ in flights:
+            failure.note(c, getattr(f, "error", None))
+    early = all(type(f) is InFlight and f.regroup is None for flights in back for f, _ in flights)
+    if not early:
+        wait_back()
+    run.closing = failure.close(d, end, handle, meanwhile=wait_back if early else None)
     if failure.error is not None:  # deferred: the backward of this call moves placeholder rows too
         run.failed = kept(failure.error)
     return out

@@ -188,8 +188,8 @@ class MoELayer(LayerLoad, nn.Module):
         # Sync-free mode: the load statistics travel in the forward's control exchange (no all_reduce of their
         # own), so every phase is the same four fixed-size collectives: a rank that skipped a backward can be
         # realigned (``sync_free.placeholder_backward``) instead of pairing an all_reduce with an all-to-all.
-        counts_in_exchange = (cfg.max_tokens_per_rank is not None and W > 1
-                              and (self.monitor is not None or self.bias_update_rate > 0))
+        # Every mode (W > 1): the counts travel in the forward's control exchange, one collective less per forward.
+        counts_in_exchange = W > 1 and (self.monitor is not None or self.bias_update_rate > 0)
         self.dispatcher = Dispatcher(cfg.num_experts, self.ep_group, cfg.num_chunks, backend=backend,
                                      strict=strict, timeout=timeout, end_check=end_check,
                                      allow_single_process=allow_single_process,
