@@ -319,7 +319,9 @@ def test_local_load_checks_every_expert_key():
 # ------------------------------------------------------------------------ all_reduce timeouts
 
 def _timeout_rank(rank, world_size, init_file, q):
-    """Rank 1 never issues the monitor's all_reduce (layer A) nor the bias update's (layer B)."""
+    """EP 2 x DP 2 (rank = d * 2 + i). The load counts are summed over EP inside the forward's control exchange,
+    then over DP by an all_reduce: rank 2 never issues that DP all_reduce, for the monitor (layer A) nor for
+    the bias update (layer B); rank 0, its DP peer, times out naming the phase."""
     import datetime
 
     import torch.distributed as dist
@@ -330,11 +332,17 @@ def _timeout_rank(rank, world_size, init_file, q):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=60))
-    groups = [dist.new_group(list(range(world_size))) for _ in range(3)]  # layer a, layer b, test sync
-    a = moe_comm.MoELayer(_cfg(), groups[0], seed=1, timeout=2.0)
-    b = moe_comm.MoELayer(_cfg(), groups[1], seed=1, timeout=2.0, monitor=False, bias_update_rate=0.1)
-    if rank == 1:
-        a.monitor.observe = lambda counts_E, *args, **kwargs: GlobalCounts(counts_E.double())
+    groups = []
+    for _ in range(2):  # layer a, layer b: their own EP and DP groups (a timed-out group is poisoned)
+        ep = [dist.new_group(r) for r in ([0, 1], [2, 3])][rank // 2]
+        dp = [dist.new_group(r) for r in ([0, 2], [1, 3])][rank % 2]
+        groups.append((ep, dp))
+    sync = dist.new_group(list(range(world_size)))
+    a = moe_comm.MoELayer(_cfg(), groups[0][0], dp_group=groups[0][1], seed=1, timeout=2.0)
+    b = moe_comm.MoELayer(_cfg(), groups[1][0], dp_group=groups[1][1], seed=1, timeout=2.0, monitor=False,
+                          bias_update_rate=0.1)
+    if rank == 2:
+        a.monitor.record = lambda buf_X, *args, **kwargs: GlobalCounts(buf_X[:4])
         b._record_load = lambda routing: None
     results = []
     for layer, read in ((a, lambda: a.monitor.summary()), (b, b.finish_bias_update)):
@@ -346,7 +354,7 @@ def _timeout_rank(rank, world_size, init_file, q):
             results.append(("no error", 0.0))
         except CollectiveError as e:
             results.append((str(e), time.perf_counter() - t0))
-        dist.barrier(group=groups[2])  # rank 1 waits out rank 0's timeout before the next layer's exchanges
+        dist.barrier(group=sync)  # rank 2 waits out rank 0's timeout before the next layer's exchanges
     q.put((rank, results))
     q.close()
     q.join_thread()
@@ -357,12 +365,12 @@ def _timeout_rank(rank, world_size, init_file, q):
 def test_monitor_and_bias_all_reduce_time_out_with_a_named_phase(tmp_path):
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_timeout_rank, args=(r, 2, str(tmp_path / "store"), q)) for r in range(2)]
+    procs = [ctx.Process(target=_timeout_rank, args=(r, 4, str(tmp_path / "store"), q)) for r in range(4)]
     for p in procs:
         p.start()
     got = {}
     try:
-        while len(got) < 2:
+        while len(got) < 4:
             rank, results = q.get(timeout=90)
             got[rank] = results
     finally:
