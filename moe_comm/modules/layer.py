@@ -109,13 +109,14 @@ class MoELayer(LayerLoad, nn.Module):
             ``LoadMonitor(E, num_ranks=W)``; a dict gives its options (window, hot_threshold, ...); a
             LoadMonitor instance is used as is; False/None disables it (``layer.monitor`` is None). Every
             forward (training or eval) records the tokens per LOGICAL expert of the routing, the dropped
-            slots and the router scores, summed over the EP group by one asynchronous all_reduce of
-            2E + 2 floats: device ops only, no host sync (reading the monitor is the sync).
+            slots and the router scores, summed over the EP group inside the forward's control exchange
+            (2E + 2 float64 words; W = 1: nothing to sum): no collective of its own, no host sync (reading
+            the monitor is the sync).
         bias_update_rate: aux-loss-free balancing (DeepSeek-V3), 0 (default) disables it. After every
             forward in training mode, ``router.expert_bias`` (added to the scores for top-K selection
             only) moves by ``rate * sign(mean load - load)`` per expert, from the GLOBAL load (tokens per
-            logical expert summed over the EP group: the monitor's all_reduce, or one of its own when the
-            monitor is off). The update is applied at the start of the next forward (or by
+            logical expert summed over the EP group, in the forward's control exchange). The update is
+            applied at the start of the next forward (or by
             ``finish_bias_update()``, which ``state_dict()`` calls): no host sync, identical on every rank.
             It counts forwards, not optimizer steps: with gradient accumulation over n micro-batches,
             divide the rate by n.
