@@ -61,6 +61,7 @@ _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 STALE_LOCK_S = 300  # a build takes ~50 s here; a lock older than this was left by a killed build
 BUILT_MARK = "moe_comm_built"  # written into the build folder once its .so is built and loads
+_LIB_EXT = ".pyd" if sys.platform == "win32" else ".so"  # what torch's JIT names the module file
 _RECIPE = 2  # bump when the way the folder is built changes (2: sources copied into the folder)
 
 
@@ -115,7 +116,7 @@ def _write_if_changed(path: Path, data: bytes) -> None:
 def _load_built(name: str, build_dir: Path) -> Optional[ModuleType]:
     """The extension built earlier into ``build_dir`` (by any checkout), loaded without ninja; None when
     there is no finished build."""
-    so = build_dir / f"{name}.so"
+    so = build_dir / f"{name}{_LIB_EXT}"
     mark = build_dir / BUILT_MARK
     if not (mark.is_file() and so.is_file()):
         return None
@@ -159,7 +160,8 @@ def _extension() -> Optional[ModuleType]:
         build_dir = _build_dir(name)
         try:
             module = _load_built(name, build_dir)
-        except (ImportError, OSError):  # a damaged build: build it again
+        except (ImportError, OSError):  # a damaged build: unmarked (no process loads it meanwhile), built again
+            (build_dir / BUILT_MARK).unlink(missing_ok=True)
             module = None
         if module is None:
             module = _build(name, build_dir, sources)

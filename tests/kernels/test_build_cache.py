@@ -2,7 +2,7 @@
 
 Two checkouts (copies of moe_comm/ and csrc/ at different paths) and one ``TORCH_EXTENSIONS_DIR``: both
 use one build folder, and the second one's first use loads the first one's build - nothing in the folder is
-written, ninja and ``torch.utils.cpp_extension`` are not even imported. The folder is seeded with this
+written, ninja is not run and ``torch.utils.cpp_extension`` is not even imported. The folder is seeded with this
 process's own build (``.so`` and its ``BUILT_MARK``), so no test here compiles.
 The key itself: equal for equal sources at other paths, different for other bytes, flags or compiler.
 """
@@ -36,7 +36,7 @@ def _first_use(checkout: Path, ext_dir: Path) -> dict:
     """A fresh process of ``checkout`` calls ``native.available()``; what it loaded and imported."""
     code = ("import json, sys; from moe_comm.kernels import native; ok = native.available(); "
             "print(json.dumps({'ok': ok, 'native': native.__file__, 'so': native._extension().__file__, "
-            "'cpp_extension': 'torch.utils.cpp_extension' in sys.modules, 'ninja': 'ninja' in sys.modules}))")
+            "'cpp_extension': 'torch.utils.cpp_extension' in sys.modules}))")
     env = {**os.environ, "PYTHONPATH": str(checkout), "TORCH_EXTENSIONS_DIR": str(ext_dir)}
     proc = subprocess.run([sys.executable, "-c", code], cwd=checkout, env=env, capture_output=True, text=True,
                           timeout=300)
@@ -98,7 +98,7 @@ def test_second_checkout_does_not_rebuild(built, tmp_path):
         got = _first_use(checkout, ext_dir)
         assert got["native"].startswith(str(checkout)), got  # that checkout's code ran
         assert got["ok"] and got["so"] == so, got
-        assert not got["cpp_extension"] and not got["ninja"], got  # loaded, not built or checked by ninja
+        assert not got["cpp_extension"], got  # loaded, not built or checked by ninja
         assert _files(ext_dir) == before  # nothing written: no rebuild
 
 
@@ -111,3 +111,29 @@ def test_unmarked_folder_is_built_not_loaded(built, tmp_path):
     shutil.copy2(build_dir / native.BUILT_MARK, tmp_path / name / native.BUILT_MARK)
     module = native._load_built(name, tmp_path / name)  # (Python hands back the module it loaded already)
     assert module is not None and callable(module.permute_rows)
+
+
+def test_damaged_build_is_unmarked_and_built_again(built, tmp_path, monkeypatch):
+    # A marked .so that does not load (a truncated file): the mark goes first, then the folder is rebuilt.
+    name, _ = built
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / f"{name}.so").write_bytes(b"not an ELF file")
+    (folder / native.BUILT_MARK).write_text(name)
+    builds = []
+
+    def build(name_, build_dir, sources):
+        builds.append((name_, build_dir, (build_dir / native.BUILT_MARK).exists()))
+        return native  # stands in for the rebuilt module
+
+    monkeypatch.setattr(native, "_build", build)
+    monkeypatch.setattr(native, "_build_dir", lambda name_: tmp_path / name_)
+    monkeypatch.delitem(sys.modules, name)  # restored after the test, with the cache of _extension
+    native._extension.cache_clear()
+    try:
+        assert native._extension() is native
+    finally:
+        monkeypatch.undo()
+        native._extension.cache_clear()
+    assert builds == [(name, folder, False)]
+    assert native.available()
