@@ -70,15 +70,18 @@ __all__ = ["MoeCommTokenDispatcher", "use_moe_comm", "OPTIONS"]
 OPTIONS = ("dispatch_dtype", "dispatch_scales", "backend", "strict", "timeout", "direct_min_bytes")
 
 
+_SHARED_OVERLAP = ("moe_shared_expert_overlap=True is not supported: it runs the shared experts inside Megatron's "
+                   "alltoall dispatcher on CUDA streams; set it False (the MoELayer then computes the shared experts "
+                   "itself, which works)")
+
+
 def _unsupported(config, tp_size: int) -> Optional[str]:
     """Why this config cannot run through moe_comm (None: it can). The same on every rank for the same config."""
     if tp_size != 1:
         return (f"expert_tensor_parallel_size must be 1, got {tp_size}: moe_comm moves rows over the EP group only "
                 "(no all-gather / reduce-scatter over expert tensor-parallel ranks)")
     if getattr(config, "moe_shared_expert_overlap", False):
-        return ("moe_shared_expert_overlap=True is not supported: it runs the shared experts inside Megatron's "
-                "alltoall dispatcher on CUDA streams; set it False (the MoELayer then computes the shared experts "
-                "itself, which works)")
+        return _SHARED_OVERLAP
     if getattr(config, "moe_pad_expert_input_to_capacity", False):
         return ("moe_pad_expert_input_to_capacity=True is not supported: moe_comm sends exactly the routed rows "
                 "(the router's capacity drops apply), never padding rows to a fixed capacity; set it False")
@@ -218,11 +221,7 @@ class MoeCommTokenDispatcher(MoETokenDispatcher):
         return hidden_states.view(shape)
 
     def set_shared_experts(self, shared_experts) -> None:
-        raise ValueError("MoeCommTokenDispatcher: " + _unsupported(_Overlap(), 1))
-
-
-class _Overlap:
-    moe_shared_expert_overlap = True
+        raise ValueError(f"MoeCommTokenDispatcher: {_SHARED_OVERLAP}")
 
 
 def _moe_layers(model: Union[nn.Module, Iterable[nn.Module]]) -> List[Tuple[str, MegatronMoELayer]]:
