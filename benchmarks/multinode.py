@@ -22,7 +22,7 @@ Routing: ``moe_comm.routing.route`` on randn logits (softmax, top-K, renormalise
 
 Per mode:
 - step_s: one training step of the transport alone: ``Dispatcher.__call__`` forward (dispatch -> an expert_fn
-  that scales its rows by 0.5 -> combine) + backward, C = 1, every call bracketed by barriers
+  that scales its rows by 0.5 -> combine) + backward, C = ``--chunks`` (1), every call bracketed by barriers
   (``tools.bench.timed``), the modes interleaved ``--repeats`` times after ``--warmup`` rounds; the slowest
   rank's median (``tools.bench.slowest_median``). All of it is dispatch + combine work (permutes, transfers,
   expansion, weighted sums): the experts are a scale. Ratios hier / flat_dedup and hier / flat come from
@@ -219,7 +219,7 @@ def worker(rank: int, W: int, opts: Dict) -> Dict:
     def step(m):
         idx, w = args_of(m)
         xg, wg = x_TH.clone().requires_grad_(True), w.clone().requires_grad_(True)
-        y = disp[m](xg, idx, wg, lambda rows_RH, counts_e: rows_RH * 0.5, num_chunks=1)
+        y = disp[m](xg, idx, wg, lambda rows_RH, counts_e: rows_RH * 0.5, num_chunks=opts.get("chunks", 1))
         y.backward(gy_TH)
 
     samples = {m: [] for m in modes}
@@ -361,6 +361,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--experts", type=int, default=32, help="E")
     p.add_argument("--top-k", type=int, default=8, help="K")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
+    p.add_argument("--chunks", type=int, default=1, help="C of every mode's timed step (the pipeline's chunks)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--no-exact", action="store_true", help="skip the float64 exactness check")
@@ -378,7 +379,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [m for m in a.modes if m not in MODES]
     if bad or not a.modes:
         p.error(f"--modes must be a comma list of {', '.join(MODES)}, got {bad or a.modes}")
-    for name in ("nodes", "ranks_per_node", "tokens", "hidden", "experts", "top_k", "repeats"):
+    for name in ("nodes", "ranks_per_node", "tokens", "hidden", "experts", "top_k", "repeats", "chunks"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     W = a.nodes * a.ranks_per_node
@@ -392,7 +393,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _opts(a) -> Dict:
     return {"tokens": a.tokens, "hidden": a.hidden, "experts": a.experts, "top_k": a.top_k, "modes": a.modes,
-            "repeats": a.repeats, "warmup": a.warmup, "exact": not a.no_exact, "ranks_per_node": a.ranks_per_node}
+            "repeats": a.repeats, "warmup": a.warmup, "exact": not a.no_exact, "ranks_per_node": a.ranks_per_node,
+            "chunks": a.chunks}
 
 
 def _finish(a, res: Dict, cluster: Optional[Dict]) -> int:

@@ -59,6 +59,7 @@ ADAPTERS = (
     "torchtitan_moe_comm",
     "deepspeed_moe",
     "megatron_moe",
+    "megatron_moe_comm",
 )
 GOAL = 0.5  # moe_comm's overhead <= 0.5 x each peer's
 BARE, RAW, PLAIN = "bare GEMMs", "4 x raw all-to-all", "plain torch"

@@ -16,6 +16,7 @@ from . import megatron_moe
 
 NAME = "Megatron-Core + moe_comm"
 INSTALL = megatron_moe.INSTALL + " (and moe_comm: pip install -e '.[megatron]')"
+WITH_MOE_COMM = True  # a framework with moe_comm inside: shown next to the framework, not judged against moe_comm
 
 
 def missing():

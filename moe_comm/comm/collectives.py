@@ -159,20 +159,33 @@ def record_arrival(group: Optional[dist.ProcessGroup], where: str) -> None:
 _ARRIVAL_KEYS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def arrivals(group: Optional[dist.ProcessGroup]) -> Dict[int, str]:
-    """EP rank -> the last place that rank recorded (ranks that recorded nothing are left out)."""
+ARRIVALS_READ_S = 2.0  # the most a timed-out rank waits to read its peers' records (the store may be unreachable)
+
+
+def arrivals(group: Optional[dist.ProcessGroup]) -> Optional[Dict[int, str]]:
+    """EP rank -> the last place that rank recorded (ranks that recorded nothing are left out). Read by a daemon
+    thread for at most ARRIVALS_READ_S: a store behind a dead link blocks for its own timeout (minutes); None
+    when it could not be read by then."""
     store = _store()
     out: Dict[int, str] = {}
     if store is None or group is None:
         return out
-    for r, g in enumerate(dist.get_process_group_ranks(group)):
-        key = f"moe_comm/arrival/{_group_key(group)}/{g}"
-        try:
-            if store.check([key]):
-                out[r] = store.get(key).decode()
-        except Exception:  # the store itself may be gone with a dead rank 0
-            break
-    return out
+    ranks = dist.get_process_group_ranks(group)
+    name = _group_key(group)
+
+    def read() -> None:
+        for r, g in enumerate(ranks):
+            key = f"moe_comm/arrival/{name}/{g}"
+            try:
+                if store.check([key]):
+                    out[r] = store.get(key).decode()
+            except Exception:  # noqa: BLE001 - the store itself may be gone with a dead rank 0
+                break
+
+    reader = threading.Thread(target=read, name="moe_comm-arrivals-read", daemon=True)
+    reader.start()
+    reader.join(ARRIVALS_READ_S)
+    return None if reader.is_alive() else dict(out)
 
 
 @contextlib.contextmanager
@@ -211,6 +224,10 @@ def wait_work(work, phase: str, chunk: int = -1, *, timeout: Optional[float] = N
         stuck = ""
         if where is not None:
             seen = arrivals(group)
+        if where is not None and seen is None:
+            stuck = (f" The group's store did not answer within {ARRIVALS_READ_S:g} s (the link to it, or the rank "
+                     "holding it, is down): where the peers are is unknown.")
+        elif where is not None:
             here = seen.get(rank, where)  # this rank's latest record (transfers of later chunks may be issued)
             behind = {r: w for r, w in seen.items() if w != here}
             missing = [r for r in range(group_size(group)) if r not in seen]

@@ -26,6 +26,7 @@ from moe_comm.comm.collectives import group_device, group_rank, group_size, reso
 from moe_comm.comm.wire import Failure, Phase, dtype_code
 from moe_comm.dispatch.autotune import AutoChunker, PipelinePlan, chunk_overhead, now
 from moe_comm.dispatch.control import CallControl
+from moe_comm.dispatch.hierarchy import NodeLevels, node_size
 from moe_comm.dispatch import send_rows
 from moe_comm.dispatch.plan import (ChunkPlan, DispatchHandle, DispatchOutput)
 from moe_comm.dispatch.two_step import CombineRows, DispatchRows
@@ -109,6 +110,15 @@ class Dispatcher(CallControl):
             gradient passes the quantization straight through. Also applies to ``dispatch()`` (it returns
             dequantized rows in x's dtype) and the sync-free mode.
         dispatch_scales: "fp32" (default) or "ue8m0" (power-of-two scales, one byte each) for FP8 dispatch.
+        ranks_per_node: None (default): every rank sends straight to every rank. L (an int): EP ranks k*L ..
+            k*L+L-1 are node k: a token crosses to each destination node once (one row per (token, node) over
+            the rail group of ranks with its local index), is forwarded inside that node once per rank
+            holding any of its experts, and combine sums inside the node before the one row goes back
+            (``moe_comm.dispatch.hierarchy``). "auto": L from torchrun's LOCAL_WORLD_SIZE. One node or one rank
+            per node stays flat. Every phase opens and closes with a control exchange over the whole group
+            around the levels' own (read eagerly); with FP8 only the rail rows are FP8. Not with
+            dispatch()/combine(), the sync-free mode or num_chunks="auto". ``last_bytes`` then also splits the
+            wire bytes by link ("*_wire_inter", "*_wire_intra", this rank's rows to other ranks only).
         summed_words: float64 words a call may add to its control exchange (``__call__``'s ``summed_X``),
             summed over the EP group there into ``last_sum``: statistics that then need no collective of their
             own (MoELayer's load counts). Default 0.
@@ -124,7 +134,8 @@ class Dispatcher(CallControl):
                  direct_min_bytes: Optional[int] = None, max_chunks: Optional[int] = None,
                  end_check: Optional[str] = None, allow_single_process: bool = False,
                  max_tokens_per_rank: Optional[int] = None, dedup: bool = False,
-                 dispatch_dtype: Optional[torch.dtype] = None, dispatch_scales: str = "fp32", summed_words: int = 0):
+                 dispatch_dtype: Optional[torch.dtype] = None, dispatch_scales: str = "fp32", summed_words: int = 0,
+                 ranks_per_node=None):
         self.group = resolve_group(ep_group, name="Dispatcher: ep_group", allow_single_process=allow_single_process)
         self.world_size = group_size(self.group)
         self.rank = group_rank(self.group)
@@ -161,22 +172,28 @@ class Dispatcher(CallControl):
                                  f"{dispatch_dtype!r}")
             check_choice("Dispatcher: dispatch_scales", dispatch_scales, ("fp32", "ue8m0"))
             check_int("Dispatcher: summed_words", summed_words, 0, high=1 << 16)
+            nodes_L = node_size(ranks_per_node, self.group, self.world_size)
+            if nodes_L is not None and (max_tokens_per_rank is not None or num_chunks == "auto"):
+                raise ValueError("Dispatcher: ranks_per_node (two-level dispatch) is not available with "
+                                 "max_tokens_per_rank (the sync-free mode) nor num_chunks='auto', got "
+                                 f"max_tokens_per_rank={max_tokens_per_rank!r}, num_chunks={num_chunks!r}")
         except Exception as err:  # noqa: BLE001 - any local failure travels to the agreement: every rank raises
             local_error = err
             max_chunks = max_chunks if isinstance(max_chunks, int) else MAX_CHUNKS
+            nodes_L = None
         self.index = next_index(self.group)
         device_type = group_device(self.group).type
         if not isinstance(direct_min_bytes, int) or isinstance(direct_min_bytes, bool):
             # Measured on gloo only; on CUDA W x e NCCL sends per call are unmeasured: the collective path.
             direct_min_bytes = DIRECT_MIN_BYTES_CPU if device_type == "cpu" else NEVER
         if end_check not in ("eager", "deferred"):
-            end_check = "eager" if device_type == "cpu" else "deferred"
+            end_check = "eager" if device_type == "cpu" or nodes_L is not None else "deferred"
         if max_tokens_per_rank is not None and not isinstance(max_tokens_per_rank, int):
             max_tokens_per_rank = -1  # rejected above; a comparable value for the agreement
         settings = dict(index=self.index, num_experts=num_experts, max_chunks=max_chunks, strict=bool(strict),
                         direct_min_bytes=direct_min_bytes, end_check=end_check, max_tokens_per_rank=max_tokens_per_rank,
                         dedup=dedup is True, dispatch_dtype=str(dispatch_dtype), dispatch_scales=str(dispatch_scales),
-                        summed_words=summed_words)
+                        summed_words=summed_words, ranks_per_node=nodes_L or 0)
         agree(self.group, settings, what="Dispatcher", local_error=local_error, timeout=timeout)
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.world_size
@@ -203,11 +220,17 @@ class Dispatcher(CallControl):
         # bytes this rank sent in its last call, per direction: "dispatch_logical", "dispatch_wire",
         # "combine_logical", "combine_wire" (see _record_bytes); empty before the first call
         self.last_bytes = {}
+        self.last_rows_W = []  # rows this rank sent to each rank in its last call (host ints)
         self._stream = False  # one copy per rank: the next C = 1 call moves its rows in pieces (send_rows.pieces)
         if self.sync_free:  # a read that finds this rank skipped a backward issues a placeholder one
             from moe_comm.dispatch.sync_free import placeholder_backward
 
             self.channel.resync = lambda: placeholder_backward(self)
+        # two levels (rail, node) when the EP group spans nodes; None: every rank sends straight to every rank
+        self.ranks_per_node = nodes_L
+        self._nodes = None if nodes_L is None else NodeLevels(self, nodes_L)
+        if self._nodes is not None:
+            self.timeline = self._timeline
 
     # ---------------------------------------------------------------- properties
     @property
@@ -231,6 +254,8 @@ class Dispatcher(CallControl):
             self.channel.timeline = tl
         for t in getattr(self, "_transports", {}).values():
             t.timeline = tl
+        for level in getattr(getattr(self, "_nodes", None), "levels", ()):
+            level.timeline = tl
 
     def transport(self, kind: type):
         """The Transport instance of class ``kind`` (Local, AllToAll, PointToPoint) of this Dispatcher."""
@@ -248,6 +273,7 @@ class Dispatcher(CallControl):
         logical = handle.slots_sent * H * es if handle.slots_sent >= 0 else -1  # sync-free: not read on the host
         self.last_bytes = dict(dispatch_logical=logical, dispatch_wire=N * (row_wire + meta_bytes),
                                combine_logical=logical, combine_wire=N * H * es)
+        self.last_rows_W = [sum(p.send_splits_W[w] for p in handle.chunks) for w in range(self.world_size)]
 
     def _row_width(self, x_TH: torch.Tensor) -> int:
         """Elements of one sent row: H, or the FP8 packed width in bytes."""
@@ -289,6 +315,7 @@ class Dispatcher(CallControl):
             the handle for ``combine``. Differentiable w.r.t. x_TH. One host sync (the control exchange).
         """
         self._no_sync_free("dispatch()")
+        self._no_nodes("dispatch()")
         pending, layout = self._open(Phase.DISPATCH, x_TH, topk_idx_TK, 1)
         send_SH, failed = None, None
         if layout is not None and (self.world_size > 1 or self.dispatch_dtype is not None):
@@ -339,6 +366,7 @@ class Dispatcher(CallControl):
         its arguments in a control exchange before rows move (a bad argument on one rank raises on all).
         """
         self._no_sync_free("combine()")
+        self._no_nodes("combine()")
         if not isinstance(handle, DispatchHandle):
             raise TypeError(f"handle must be the DispatchHandle from dispatch(), got {type(handle).__name__}")
         if handle.owner != id(self):
@@ -403,6 +431,9 @@ class Dispatcher(CallControl):
         from moe_comm.dispatch.pipeline import run_pipeline
 
         topk_weight_TK = _exact_float32(topk_weight_TK)
+        if self._nodes is not None:
+            return self._nodes.call(x_TH, topk_idx_TK, topk_weight_TK, expert_fn, num_chunks, side_fn,
+                                    summed_X if self.summed_words else None)
         if self.sync_free:
             if num_chunks not in (None, 1):
                 raise ValueError(f"num_chunks must be 1 (or None) in sync-free mode (max_tokens_per_rank), "
@@ -471,6 +502,8 @@ class Dispatcher(CallControl):
         ``device`` is accepted for compatibility and unused (exchanges use the group's device)."""
         if self.sync_free:  # after the first call: deferred like every failure of the mode
             return self._call_sync_free(None, None, None, None, None, local_error=error)
+        if self._nodes is not None:
+            self._nodes.fail(error, num_chunks)
         C = self.num_chunks if num_chunks is None else num_chunks
         if C == "auto":
             C = self.auto.step()[0]
@@ -478,6 +511,11 @@ class Dispatcher(CallControl):
         self.channel.end(pending)
         raise error  # not reached: the exchange raises on every rank
 
+
+    def _no_nodes(self, what: str) -> None:
+        if self._nodes is not None:  # agreed when built: the same on every rank
+            raise ValueError(f"{what} is not available with ranks_per_node={self.ranks_per_node} (two-level "
+                             "dispatch): use the pipelined call (Dispatcher.__call__ / MoELayer)")
 
     # ---------------------------------------------------------------- sync-free mode
     def _no_sync_free(self, what: str) -> None:

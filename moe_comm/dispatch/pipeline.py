@@ -86,18 +86,21 @@ class _Failure:
         if err is not None and self.error is None:
             self.error, self.chunk = err, chunk
 
-    def catch(self, chunk: int, fn, *args):
+    def catch(self, chunk: int, fn, *args, always: bool = False):
         """fn(*args), or None after recording its exception; transport failures propagate (the group
-        is poisoned: nothing more may be issued)."""
-        if self.error is not None:
+        is poisoned: nothing more may be issued). After an earlier failure: None, without calling fn unless
+        ``always`` (fn issues collectives its group's other ranks issue too: the node level of a hierarchy)."""
+        if self.error is not None and not always:
             return None
         try:
-            return fn(*args)
+            out = fn(*args)
         except Exception as err:  # noqa: BLE001 - any user or kernel error travels to every rank
             if as_collective_error(err):
                 raise
-            self.error, self.chunk = err, chunk
+            if self.error is None:
+                self.error, self.chunk = err, chunk
             return None
+        return out if self.error is None else None
 
     def close(self, d, phase: Phase, handle, meanwhile=None):
         """The end-of-phase control exchange: raises on every rank if any rank failed (at the next read when
@@ -238,7 +241,8 @@ def _schedule(run: _Run, src: Tuple[torch.Tensor, ...], out: Tuple[torch.Tensor,
         if c + 1 < len(chunks):
             issue(c + 1)
         received = received_rows(c)
-        results = failure.catch(c, compute, c, received)
+        # a collective expert function (a node's level) runs on every rank, failed or not: its peers are in it
+        results = failure.catch(c, compute, c, received, always=getattr(run.expert_fn, "takes_slot_rows", False))
         if results is None:  # this rank failed: placeholder rows of the agreed sizes keep the schedule
             results = tuple(buffer(c, lambda: o.new_empty(p.num_recv, o.shape[1])) for o in out)
         back.append([(transport.to_tokens(r.narrow(0, q.recv_offset, q.num_recv), q,

@@ -26,6 +26,7 @@ from moe_comm.comm.channel import read_deferred
 from moe_comm.comm.collectives import group_device, group_rank, group_size, resolve_group
 from moe_comm.config import MoEConfig
 from moe_comm.dispatch.dispatcher import Dispatcher
+from moe_comm.dispatch.hierarchy import ranks_on_node
 from moe_comm.modules.checkpoint import ExpertKeyPath, dcp_fqn_modifiers
 from moe_comm.modules.layer_load import LayerLoad, dropping_failed_loads, finish_bias_update_hook, make_monitor
 from moe_comm.modules.experts import GroupedExperts, PlacedExperts, SwiGLU, _init_expert_
@@ -178,6 +179,12 @@ class MoELayer(LayerLoad, nn.Module):
             if cfg.num_experts % W:
                 raise ValueError(f"MoEConfig.num_experts ({cfg.num_experts}) must be divisible by the EP world "
                                  f"size, got world size {W}")
+            if cfg.node_limited:  # the routing's groups must be the nodes' expert blocks
+                nodes = W // ranks_on_node(cfg.ranks_per_node, self.ep_group, W)
+                if cfg.num_groups != nodes:
+                    raise ValueError(f"MoEConfig.node_limited: num_groups ({cfg.num_groups}) must equal the number of "
+                                     f"nodes, EP size {W} / ranks_per_node = {nodes}, so that each group is one "
+                                     "node's experts")
             self._build(cfg, W, rank, seed, device, dtype, monitor, bias_update_rate)
             settings = dict(dataclasses.asdict(cfg), dtype=str(self.experts.w1.dtype), monitor=self.monitor is not None,
                             bias_update_rate=self.bias_update_rate, dp_size=group_size(self.dp_group))
@@ -196,7 +203,8 @@ class MoELayer(LayerLoad, nn.Module):
                                      allow_single_process=allow_single_process,
                                      max_tokens_per_rank=cfg.max_tokens_per_rank, dedup=cfg.dedup,
                                      dispatch_dtype=cfg.dispatch_dtype, dispatch_scales=cfg.dispatch_scales,
-                                     summed_words=2 * cfg.num_experts + 2 if counts_in_exchange else 0)
+                                     summed_words=2 * cfg.num_experts + 2 if counts_in_exchange else 0,
+                                     ranks_per_node=cfg.ranks_per_node)
         self.timeline.device = self.experts.w1.device  # the experts' work runs there, whatever the group's device
         if not self.experts.w1.is_meta:  # meta: reset_parameters() after to_empty() makes them equal
             self._broadcast_replicated()
@@ -394,7 +402,8 @@ class MoELayer(LayerLoad, nn.Module):
                                      strict=old.strict, timeout=old.timeout, end_check=old.end_check,
                                      direct_min_bytes=old.direct_min_bytes, allow_single_process=True,
                                      max_tokens_per_rank=old.max_tokens_per_rank, dedup=old.dedup,
-                                     dispatch_dtype=old.dispatch_dtype, dispatch_scales=old.dispatch_scales)
+                                     dispatch_dtype=old.dispatch_dtype, dispatch_scales=old.dispatch_scales,
+                                     ranks_per_node=old.ranks_per_node)
         self.dispatcher.timeline = old.timeline
         self._replica_slots_EC, self._replica_count_E, self._max_replicas = replica_tables(new_p2l, E, params[0].device)
         self._placement, self._phys_to_logical = placement, new_p2l
