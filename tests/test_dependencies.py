@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "moe_comm"
 
 LAYERS = {"kernels": 0, "ops": 1, "comm": 2, "dispatch": 3, "monitor": 4, "placement": 4, "modules": 5,
-          "parallel": 6, "hf": 6}
+          "parallel": 6, "hf": 6, "integrations": 6}
 FREE_IMPORTS = {  # importable from anywhere; what each may import itself
     "_wgrad": set(),
     "_recompute": set(),

@@ -31,7 +31,7 @@ whole-group agreement per level); exchanges are read eagerly (one host read per 
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -245,7 +245,8 @@ class NodeLevels:
         d.last_bytes = dict(
             dispatch_logical=b["dispatch_logical"], combine_logical=b["combine_logical"],
             dispatch_wire=b["dispatch_wire"] + self._intra[0], combine_wire=b["combine_wire"] + self._intra[1],
-            dispatch_wire_inter=b["dispatch_wire"] * others // total, combine_wire_inter=b["combine_wire"] * others // total,
+            dispatch_wire_inter=b["dispatch_wire"] * others // total,
+            combine_wire_inter=b["combine_wire"] * others // total,
             dispatch_wire_intra=self._intra[0], combine_wire_intra=self._intra[1],
             rows_inter=others, tokens=x_TH.shape[0])
         self._intra = [0, 0]

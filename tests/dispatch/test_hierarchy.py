@@ -331,5 +331,6 @@ def test_killed_rank_on_the_other_node_raises_within_the_timeout(tmp_path):
             p.join()
     assert sorted(got) == [0, 1, 2]
     for rank, (msg, elapsed) in got.items():
-        assert msg.startswith("CollectiveError") and msg.count(f"EP rank {rank} (node {rank // 2}, local rank {rank % 2})") == 1, (rank, msg)
+        named = f"EP rank {rank} (node {rank // 2}, local rank {rank % 2})"
+        assert msg.startswith("CollectiveError") and msg.count(named) == 1, (rank, msg)
         assert elapsed < 2 * 3.0 + 6.0, (rank, elapsed)  # two levels' timeouts at most, plus scheduling
