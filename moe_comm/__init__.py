@@ -12,7 +12,8 @@ Dependency rule (one way, lowest first; tested in tests/test_dependencies.py):
 the core.
 Nothing in the core imports ``tools`` (cli, bench, diagnose, launch, slow_link) or ``testing`` (dense
 reference, self-checking payloads, routing workloads); those two sit on top. ``import moe_comm`` loads
-neither rich nor matplotlib.
+neither rich nor matplotlib, nor torch._dynamo, triton or torch.utils.cpp_extension (tests/test_import.py:
+the Dispatcher's graph breaks are applied when torch._dynamo is imported, ``_checks.graph_break``).
 """
 from moe_comm import ops
 from moe_comm.comm.wire import set_step
