@@ -43,5 +43,7 @@ def test_compiled_model_matches_eager(ranks, world_size, backend):
     for y_diff, grad_diff, breaks, stacks in ranks(world_size).run(_rank_compile, backend, timeout=300):
         tol = 0.0 if backend == "aot_eager" else 1e-5
         assert y_diff <= tol and grad_diff <= max(tol, 1e-6), (y_diff, grad_diff)
-        assert stacks and all(s.endswith(COLLECTIVE_FILES) for s in stacks), stacks
-        assert breaks <= 3 * 2, breaks  # per layer: its dispatcher call and the load all_reduce around it
+        # the Dispatcher's call breaks the graph in each layer (opaque: a disabled frame has no user stack); any
+        # break that names a frame is at a collective
+        assert all(s.endswith(COLLECTIVE_FILES) for s in stacks), stacks
+        assert 2 <= breaks <= 3 * 2, breaks  # per layer: its dispatcher call (and with DP a load all_reduce)
