@@ -90,7 +90,7 @@ def _rank_exact(rank, world_size, L, E, K, tokens, chunk_counts):
     (8, 4, 16, 4, [7, 3, 5, 0, 9, 4, 6, 2]),
 ])
 def test_two_levels_match_dense_reference(ranks, world_size, L, E, K, tokens):
-    chunk_counts = [1, 3]
+    chunk_counts = [1, 4]
     per_rank = ranks(world_size).run(_rank_exact, L, E, K, tokens, chunk_counts)
     for rank, res in enumerate(per_rank):
         y_ref, x_ref, w_ref, _ = res["ref"]
