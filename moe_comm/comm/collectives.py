@@ -97,7 +97,9 @@ def _store():
         return None
 
 
-ARRIVAL_DELAY_S = 0.005
+# No delay: a store write still due when the process group is destroyed aborts the process ("terminate called
+# without an active exception"); with 5 ms every failure test whose ranks then destroyed the group aborted.
+ARRIVAL_DELAY_S = 0.0
 
 
 class _ArrivalWriter:
@@ -124,10 +126,10 @@ class _ArrivalWriter:
             with self.cond:
                 while not self.pending:
                     self.cond.wait()
-            # Coalesce: records of the next few ms replace this one (a step records 8 per layer), so the writer
-            # wakes and sets once per burst instead of per record; on 2 shared cores each wake-up took ~0.1 ms of
-            # the step. A record lands at most ARRIVAL_DELAY_S late; it is read after a timeout (seconds).
-            time.sleep(ARRIVAL_DELAY_S)
+            # Coalesce: records made while the writer sets the last ones replace each other (only the newest per
+            # key is written); ARRIVAL_DELAY_S would widen that window (see its comment).
+            if ARRIVAL_DELAY_S:
+                time.sleep(ARRIVAL_DELAY_S)
             with self.cond:
                 todo, self.pending = self.pending, {}
             for key, (store, where) in todo.items():

@@ -355,13 +355,17 @@ class Dispatcher(CallControl):
 
     @_graph_break
     def combine(self, expert_out_RH: torch.Tensor, topk_weight_TK: torch.Tensor,
-                handle: DispatchHandle) -> torch.Tensor:
+                handle: DispatchHandle, *, failed: Optional[BaseException] = None) -> torch.Tensor:
         """Send expert outputs back and sum each token's K slots with their weights.
 
         Args:
             expert_out_RH: [R, H] rows in the order ``dispatch`` returned them.
             topk_weight_TK: [T, K] float32/float64 routing weights (ignored for dropped slots).
             handle: ``DispatchOutput.handle`` of the matching dispatch.
+            failed: an exception this rank met between dispatch() and combine() (its experts raised); it goes
+                out in combine's control exchange instead of rows, so every rank raises there (this one with
+                it, the others ``PeerFailed`` naming it) instead of its peers waiting for rows that never come.
+                expert_out_RH is then not read (any placeholder).
         Returns: y_TH [T, H] in expert_out's dtype. Differentiable w.r.t. both inputs. Every rank checks
         its arguments in a control exchange before rows move (a bad argument on one rank raises on all).
         """
@@ -378,11 +382,15 @@ class Dispatcher(CallControl):
         error = None
         topk_weight_TK = _exact_float32(topk_weight_TK)
         try:
-            self._check_combine(expert_out_RH, topk_weight_TK, handle)
+            if failed is not None and not isinstance(failed, BaseException):
+                raise TypeError(f"failed must be an exception or None, got {type(failed).__name__}")
+            if failed is None:
+                self._check_combine(expert_out_RH, topk_weight_TK, handle)
         except (TypeError, ValueError) as err:
             error = err
-        ok = error is None
-        self._exchange_status(Phase.COMBINE, handle, error, Failure.NONE if ok else Failure.REJECTED,
+        ok = error is None and failed is None
+        kind = Failure.NONE if ok else Failure.REJECTED if error is not None else Failure.RAISED
+        self._exchange_status(Phase.COMBINE, handle, error or failed, kind,
                               row_bytes=handle.hidden_size * expert_out_RH.element_size() if ok else -1,
                               dtype=dtype_code(expert_out_RH.dtype) if ok else -1)
         handle.combined = True

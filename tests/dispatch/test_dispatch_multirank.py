@@ -156,3 +156,35 @@ def test_dispatch_combine_timeline_spans(ranks, direct):
         if not direct:
             expected |= {("regroup", "compute", d) for d in ("fwd", "bwd")}
         assert set(phases) == expected, phases
+
+
+def _rank_combine_failed(rank, world_size):
+    import moe_comm as mc
+
+    E, T, K = 2 * world_size, 6, 2
+    g = torch.Generator().manual_seed(rank)
+    x, idx = torch.randn(T, 8, generator=g), torch.rand(T, E, generator=g).argsort(1)[:, :K]
+    w = torch.rand(T, K, generator=g)
+    d = mc.Dispatcher(E, timeout=20)
+    out = d.dispatch(x, idx)
+    err = RuntimeError("experts failed on purpose") if rank == world_size - 1 else None
+    try:
+        d.combine(out.tokens * 2.0 if err is None else None, w, out.handle, failed=err)
+        first = "returned"
+    except Exception as e:  # noqa: BLE001 - the test reads the type and text
+        first = f"{type(e).__name__}: {e}"
+    out = d.dispatch(x, idx)  # the next call works
+    y = d.combine(out.tokens * 2.0, w, out.handle)
+    return first, bool(torch.allclose(y, 2 * w.sum(1, keepdim=True) * x, atol=1e-6))
+
+
+@pytest.mark.multirank
+def test_combine_failed_raises_on_every_rank_instead_of_waiting(ranks):
+    """combine(failed=err): an error met between dispatch() and combine() (the experts) goes out in combine's
+    exchange, so every rank raises at once (not after a timeout), and the next call works."""
+    for rank, (first, ok) in enumerate(ranks(2).run(_rank_combine_failed)):
+        if rank == 1:
+            assert first.startswith("RuntimeError: experts failed on purpose"), first
+        else:
+            assert first.startswith("PeerFailed") and "EP rank(s) [1]" in first, first
+        assert ok, rank
