@@ -93,8 +93,16 @@ class GradSums:
         """Backpropagate the sums into their inputs (accumulating into ``.grad``), once per input; inside
         ``holding()`` hand them to the holder instead."""
         entries, self.entries = self.entries, {}
-        if _held and _held[-1] is not self:
-            _held[-1].entries.update({(len(_held[-1].entries),) + k: v for k, v in entries.items()})
+        if _held and _held[-1] is not self:  # into the holder's sums: one buffer per weight, whatever the chunks
+            held = _held[-1].entries
+            for key, (inputs, sums) in entries.items():
+                if key not in held:
+                    held[key] = (inputs, sums)
+                    continue
+                total = held[key][1]
+                for j, g in enumerate(sums):
+                    if g is not None:
+                        total[j] = g if total[j] is None else total[j].add_(g)
             return
         for inputs, sums in entries.values():
             pairs = [(t, g) for t, g in zip(inputs, sums) if g is not None and t.requires_grad]

@@ -173,10 +173,12 @@ class Dispatcher(CallControl):
             check_choice("Dispatcher: dispatch_scales", dispatch_scales, ("fp32", "ue8m0"))
             check_int("Dispatcher: summed_words", summed_words, 0, high=1 << 16)
             nodes_L = node_size(ranks_per_node, self.group, self.world_size)
-            if nodes_L is not None and (max_tokens_per_rank is not None or num_chunks == "auto"):
+            if nodes_L is not None and (max_tokens_per_rank is not None or num_chunks == "auto"
+                                        or end_check == "deferred"):
                 raise ValueError("Dispatcher: ranks_per_node (two-level dispatch) is not available with "
-                                 "max_tokens_per_rank (the sync-free mode) nor num_chunks='auto', got "
-                                 f"max_tokens_per_rank={max_tokens_per_rank!r}, num_chunks={num_chunks!r}")
+                                 "max_tokens_per_rank (the sync-free mode), num_chunks='auto' nor "
+                                 f"end_check='deferred' (it reads every exchange), got max_tokens_per_rank="
+                                 f"{max_tokens_per_rank!r}, num_chunks={num_chunks!r}, end_check={end_check!r}")
         except Exception as err:  # noqa: BLE001 - any local failure travels to the agreement: every rank raises
             local_error = err
             max_chunks = max_chunks if isinstance(max_chunks, int) else MAX_CHUNKS

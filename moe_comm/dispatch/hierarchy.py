@@ -21,9 +21,11 @@ Failure rule across levels: a call opens and closes each phase with a control ex
 group (input checks, call and phase agreement), around the rail's and node's own exchanges. A failure at
 either level is caught on the rank where it surfaces and carried to the closing exchange, so every rank
 raises (the failing one its own error, the others ``PeerFailed`` naming it) and no level is left with a
-rank in it: a rail or a node never raises alone. A failed transfer (``CollectiveError``) raises at once:
-the peers in the other levels time out in their next exchange, naming the phase. The experts' weight
-gradients reach ``.grad`` only after the whole-group closing exchange of the backward.
+rank in it: a rail or a node never raises alone. A failed transfer (``CollectiveError``) raises at once and
+poisons the whole group and both levels on that rank; the peers in the other levels time out in their next
+exchange, naming the phase. Weight gradients that the experts defer (GroupedExperts, ``moe_comm._wgrad``)
+reach ``.grad`` only after the whole-group closing exchange of the backward; a plain expert_fn's reach it
+during its node's backward.
 
 Not here: ``dispatch()``/``combine()``, the sync-free mode, num_chunks="auto" (each would need its own
 whole-group agreement per level); exchanges are read eagerly (one host read per exchange, also on CUDA).
@@ -40,6 +42,7 @@ from moe_comm import _wgrad
 from moe_comm._checks import check_int
 from moe_comm.comm.agree import RemoteError
 from moe_comm.comm.channel import PeerFailed, as_collective_error, kept
+from moe_comm.comm.collectives import poison
 from moe_comm.comm.wire import Failure, Phase, Word, dtype_code
 from moe_comm.dispatch.workspace import Workspace
 
@@ -160,7 +163,10 @@ class NodeLevels:
         return found
 
     def named(self, err: BaseException) -> BaseException:
-        """A level's transport or protocol error, saying which ranks its "EP rank" numbers are."""
+        """A level's transport or protocol error, saying which ranks its "EP rank" numbers are. Every group of the
+        call is poisoned: a level's peers may still be in its transfers, the whole group's in its exchanges."""
+        for group in (self.d.group, self.rail.group, self.inner.group):
+            poison(group, f"a two-level call on EP rank {self.d.rank}: {err}")
         return type(err)(f"moe_comm: EP rank {self.d.rank} (node {self.node}, local rank {self.local}) in a two-level "
                          f"call; its node's group numbers it {self.local}, its rail's group {self.node} (the rail of "
                          f"local rank {self.local}: EP ranks {self.local}, {self.local + self.L}, ...): {err}")
@@ -171,6 +177,9 @@ class NodeLevels:
 
         d = self.d
         C = d.num_chunks if num_chunks is None else num_chunks
+        self._intra = [0, 0]
+        if isinstance(x_TH, torch.Tensor) and d.channel.device.type == x_TH.device.type == "cuda":
+            d.channel.device = x_TH.device  # NCCL: this rank's own device (built before set_device: cuda:0's)
         d.channel.call += 1
         call = d.channel.call
         error, dynamic, row_bytes, dtype = None, None, -1, -1
@@ -221,7 +230,11 @@ class NodeLevels:
             self._count_intra(rows_RH)
             return y_RH
 
+        def fail(err: BaseException) -> None:  # this rank failed before its node's call: join it with the error
+            inner.fail(err)
+
         experts_of_node.takes_slot_rows = True
+        experts_of_node.fail = fail
         return experts_of_node
 
     # ------------------------------------------------------------------ bytes by link

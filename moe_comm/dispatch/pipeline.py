@@ -307,7 +307,9 @@ def _forward(run: _Run, src: Tuple[torch.Tensor, ...], x: torch.Tensor) -> torch
                     meta_RM = received[1]
                     w_in = meta_RM[:, K:].detach().requires_grad_(run.grad_enabled)
                     if getattr(run.expert_fn, "takes_slot_rows", False):  # a node's level of dispatch.hierarchy
-                        out_RH = run.expert_fn(t_in, meta_RM[:, :K].to(torch.int64), w_in)
+                        ids_RK = meta_RM[:, :K].to(torch.int64)
+                        entered[0] = True
+                        out_RH = run.expert_fn(t_in, ids_RK, w_in)
                     else:
                         lay = ops.make_layout(meta_RM[:, :K].to(torch.int64), d.num_local_experts, backend=d.backend)
                         lay.set_num_rows(sum(p.counts_e))  # host counts from the control exchange: no sync
@@ -329,7 +331,21 @@ def _forward(run: _Run, src: Tuple[torch.Tensor, ...], x: torch.Tensor) -> torch
             run.side_out = run.side_fn()
 
     run.expert_io = [None] * len(chunks)
-    return _schedule(run, src, (y_NH,), experts, ("dispatch", "combine"), "fwd", Phase.FORWARD_END,
+    entered = [False]  # the collective expert function was called for this chunk
+
+    def experts_joined(c: int, received: Tuple[torch.Tensor, ...]) -> Tuple[torch.Tensor]:
+        """A collective expert function (a node's level): a failure before it is called joins it with the error
+        (``fail``): its node's other ranks are waiting in it, and all of them raise."""
+        entered[0] = False
+        try:
+            return experts(c, received)
+        except Exception as err:  # noqa: BLE001
+            if not entered[0] and not as_collective_error(err):
+                run.expert_fn.fail(err)
+            raise
+
+    compute = experts_joined if getattr(run.expert_fn, "takes_slot_rows", False) else experts
+    return _schedule(run, src, (y_NH,), compute, ("dispatch", "combine"), "fwd", Phase.FORWARD_END,
                      before=side if run.side_fn is not None else None, failed=run.failed, fill=run.fill)[0]
 
 

@@ -271,6 +271,40 @@ class _nothing:
         return False
 
 
+def _rank_dequantize_fault(rank, world_size):
+    """FP8: rank 1's dequantize of the rows that came over the rail fails, before its node's call: it joins that
+    call with the error, so every rank raises naming it (its node peers are in the call) - no timeout."""
+    E, K, T = 8, 3, 7
+    x, idx, w = _data(rank, E, K, T, drop=False)
+    x = x.float()
+    d = moe_comm.Dispatcher(E, num_chunks=2, ranks_per_node=2, timeout=30, dispatch_dtype=torch.float8_e4m3fn)
+    rail = d._nodes.rail
+    original = rail._dequantize
+
+    def dequantize(*args, **kwargs):
+        raise RuntimeError("injected dequantize fault")
+
+    rail._dequantize = dequantize if rank == 1 else original
+    try:
+        d(x, idx, w.float(), lambda t, n: t * 2.0)
+        outcome = "returned"
+    except Exception as err:  # noqa: BLE001
+        outcome = f"{type(err).__name__}: {err}"
+    rail._dequantize = original
+    y = d(x, idx, w.float(), lambda t, n: t * 2.0)  # the next call works
+    return outcome, bool(torch.isfinite(y).all())
+
+
+@pytest.mark.multirank
+def test_fault_before_the_node_call_raises_on_every_rank(ranks):
+    for rank, (outcome, next_ok) in enumerate(ranks(4).run(_rank_dequantize_fault)):
+        if rank == 1:
+            assert outcome.startswith("RuntimeError: injected dequantize fault"), outcome
+        else:
+            assert outcome.startswith("PeerFailed") and "EP rank(s) [1]" in outcome, (rank, outcome)
+        assert next_ok, rank
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("kind", ["forward", "permute", "unpermute"])
 def test_fault_on_a_forwarding_rank_raises_on_every_rank(ranks, kind):
@@ -303,9 +337,16 @@ def _killed_rank(rank, world_size, init_file, q):
     t0 = time.perf_counter()
     try:
         d(x, idx, w, expert_fn)
-        q.put((rank, "no error", time.perf_counter() - t0))
+        q.put((rank, "no error", time.perf_counter() - t0, ""))
     except Exception as err:  # noqa: BLE001
-        q.put((rank, f"{type(err).__name__}: {err}", time.perf_counter() - t0))
+        msg = f"{type(err).__name__}: {err}"
+        t1 = time.perf_counter()
+        try:  # every group of the call is poisoned: the next call raises at once
+            d(x, idx, w, expert_fn)
+            again = "no error"
+        except Exception as err2:  # noqa: BLE001
+            again = f"{type(err2).__name__} after {time.perf_counter() - t1:.2f} s: {err2}"
+        q.put((rank, msg, t1 - t0, again))
     q.close()
     q.join_thread()
     os._exit(0)
@@ -323,14 +364,15 @@ def test_killed_rank_on_the_other_node_raises_within_the_timeout(tmp_path):
     got = {}
     try:
         while len(got) < 3:
-            rank, msg, elapsed = q.get(timeout=90)
-            got[rank] = (msg, elapsed)
+            rank, msg, elapsed, again = q.get(timeout=90)
+            got[rank] = (msg, elapsed, again)
     finally:
         for p in procs:
             p.kill()
             p.join()
     assert sorted(got) == [0, 1, 2]
-    for rank, (msg, elapsed) in got.items():
+    for rank, (msg, elapsed, again) in got.items():
+        assert again.startswith("CollectiveError after 0.") and "earlier collective" in again, (rank, again)
         named = f"EP rank {rank} (node {rank // 2}, local rank {rank % 2})"
         assert msg.startswith("CollectiveError") and msg.count(named) == 1, (rank, msg)
         assert elapsed < 2 * 3.0 + 6.0, (rank, elapsed)  # two levels' timeouts at most, plus scheduling

@@ -198,7 +198,11 @@ def test_multinode_benchmark_quick(tmp_path):
     res = json.loads(out.read_text())
     modes = res["result"]["modes"]
     assert res["result"]["nodes"] == 2 and res["result"]["ranks_per_node"] == 2
-    assert {"flat", "flat_dedup"} <= set(modes)
+    assert {"flat", "flat_dedup", "hier"} <= set(modes), res["result"].get("skipped")
+    hier = modes["hier"]
+    assert "exact_error" not in hier and hier["exact_max_rel_err"] is not None, hier
+    # one row per (token, destination node) crossed: exactly the routing's distinct remote nodes
+    assert hier["inter_rows_per_token_measured"] == pytest.approx(hier["inter_rows_per_token_expected"], rel=1e-9)
     for name, m in modes.items():
         assert m["step_s"] > 0
         if m["exact_max_rel_err"] is not None:
