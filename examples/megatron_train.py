@@ -162,7 +162,7 @@ def run(rank: int, W: int, args) -> dict:
     worst = max(abs(a - b) / abs(b) for a, b in zip(our_losses, ref_losses))
 
     # checkpoints: one file per rank (each holds its own experts), written by one run, loaded by the other
-    folder = args.checkpoint_dir or tempfile.gettempdir()
+    folder = args.checkpoint_dir or tempfile.mkdtemp(prefix="moe_comm_megatron_")  # own folder: no clash
     paths = {k: os.path.join(folder, f"megatron_train_{k}_rank{rank}.pt") for k in ("alltoall", "moe_comm")}
     torch.save(ref.state_dict(), paths["alltoall"])
     torch.save(ours.state_dict(), paths["moe_comm"])
@@ -197,7 +197,8 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--checkpoint-dir", default=None, help="where the per-rank checkpoints go (default: tmp)")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="where the per-rank checkpoints go (default: a new temp folder per rank)")
     args = p.parse_args(argv)
     r = run_ranks(run, args.world_size, args)
     if r is None:  # not rank 0 under torchrun

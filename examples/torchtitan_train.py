@@ -14,7 +14,9 @@ What it does, on every rank:
 3. trains both on the same batches (AdamW; replicated gradients averaged over the ranks, as data parallelism
    does): the losses must agree within 1e-5 relative at every step;
 4. saves the moe_comm model and loads it into a fresh torchtitan-dispatch model: the next loss must agree.
-Prints one JSON line (rank 0) and exits 1 when a figure is above 1e-5.
+Prints one JSON line (rank 0) and exits 1 when a figure is above 1e-5, or when a moe_comm Dispatcher made no
+call or moved no bytes (equal losses alone would not show that moe_comm ran: torchtitan's dispatch gives them
+too). The line carries each Dispatcher's call count and last call's bytes (``moe_comm_dispatchers``).
 
 Changes to torchtitan (this example's, named; the library patches nothing): its mesh setup takes the device type
 "cpu" (``parallel_dims.device_type``; it assumes an accelerator); attention runs torchtitan's
@@ -199,11 +201,20 @@ def main(argv=None) -> int:
     with torch.no_grad():
         after = [global_mean(loss_of(m, inputs, labels)) for m in (mine, fresh)]
     reload_rel = abs(after[1] - after[0]) / abs(after[0])
-    ok = worst <= TOLERANCE and reload_rel <= TOLERANCE and changed == a.layers
+    # Evidence that moe_comm carried the moe_comm model's tokens: every Dispatcher's forward calls (a training
+    # step and the reload's no-grad forward each make one) and its last call's bytes (this rank's, logical /
+    # handed to the all-to-alls).
+    ran = [{"module": name, "calls": m.moe_comm_dispatcher.channel.call,
+            "dispatch_logical_bytes": m.moe_comm_dispatcher.last_bytes.get("dispatch_logical", 0),
+            "dispatch_wire_bytes": m.moe_comm_dispatcher.last_bytes.get("dispatch_wire", 0)}
+           for name, m in mine.named_modules() if hasattr(m, "moe_comm_dispatcher")]
+    ran_ok = len(ran) == a.layers and all(r["calls"] == a.steps + 1 and r["dispatch_wire_bytes"] > 0 for r in ran)
+    ok = worst <= TOLERANCE and reload_rel <= TOLERANCE and changed == a.layers and ran_ok
     if rank == 0:
         print(json.dumps({"world_size": W, "moe_modules_changed": changed, "num_chunks": a.num_chunks,
-                          "steps": losses, "max_loss_rel_diff": worst, "reloaded_loss": after,
-                          "reload_rel_diff": reload_rel, "tolerance": TOLERANCE, "ok": ok}))
+                          "moe_comm_dispatchers": ran, "steps": losses, "max_loss_rel_diff": worst,
+                          "reloaded_loss": after, "reload_rel_diff": reload_rel, "tolerance": TOLERANCE,
+                          "ok": ok}))
     dist.destroy_process_group()
     return 0 if ok else 1
 

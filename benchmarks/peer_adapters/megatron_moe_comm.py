@@ -33,8 +33,7 @@ def missing():
 def build(ref, group) -> nn.Module:
     from moe_comm.integrations.megatron import use_moe_comm
 
-    wrapped = megatron_moe.build(ref, group)  # MegatronMoE: forward(x_TH) -> y_TH around the MoELayer
-    group = group.get_group() if hasattr(group, "get_group") else group
+    wrapped = megatron_moe.build(ref, group)  # MegatronMoE: forward(x_TH) -> y_TH around the MoELayer on group
     if use_moe_comm(wrapped.layer) != 1:
         raise RuntimeError("megatron_moe_comm adapter: use_moe_comm switched no MoE layer")
     return wrapped

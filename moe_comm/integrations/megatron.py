@@ -31,7 +31,12 @@ How the layer's seven dispatcher steps map onto moe_comm's ``Dispatcher``:
     combine_postprocess -> y [S, B, H]
 
 ``dispatch()``/``combine()`` (not the pipelined call): Megatron's layer calls its experts itself between
-``token_dispatch`` and ``token_combine``, so the dispatcher cannot run them chunk by chunk.
+``token_dispatch`` and ``token_combine``, so the dispatcher cannot run them chunk by chunk. ``use_moe_comm``
+therefore also guards the layer's ``routed_experts_compute`` (dispatch_postprocess -> experts ->
+combine_preprocess): an exception there is held, a placeholder goes on, and ``token_combine`` sends it in
+combine's control exchange (``Dispatcher.combine(failed=)``): every rank raises at once, the failing one its
+own error, the others ``PeerFailed`` naming it. An exception in the experts' backward is not covered (see
+docs/megatron.md).
 
 Supported: softmax / sigmoid scores, pre-softmax, group-limited routing, expert bias (aux-loss-free), top-k
 scaling factor, aux / seq-aux / global-aux / z losses (all in Megatron's router, untouched), dropless and
@@ -48,6 +53,7 @@ moe_comm`` never does. The core never imports this module.
 """
 from __future__ import annotations
 
+import types
 import warnings
 from typing import Iterable, List, Optional, Tuple, Union
 
@@ -161,6 +167,16 @@ class MoeCommTokenDispatcher(MoETokenDispatcher):
         # One Dispatcher per layer; its construction checks the options (a bad one raises on every rank).
         self.dispatcher = Dispatcher(self.num_experts, group, **options)
         self._call = None  # (hidden shape, topk_weight_TK, handle) between dispatch_preprocess and token_combine
+        self._experts_error: Optional[BaseException] = None  # held by the guarded routed_experts_compute
+
+    def hold_experts_error(self, error: BaseException) -> bool:
+        """Keep ``error`` (the layer's experts raised between token_dispatch and token_combine) for
+        token_combine to send in combine's control exchange. False when no dispatch is open (the caller
+        re-raises it: nothing would carry it to the peers)."""
+        if self._call is None or self._call[3] is None:
+            return False
+        self._experts_error = error
+        return True
 
     def _fail(self, error: BaseException) -> None:
         """Join the dispatch's control exchange with ``error``: every rank raises (this one re-raises it)."""
@@ -210,10 +226,13 @@ class MoeCommTokenDispatcher(MoETokenDispatcher):
         return hidden_states
 
     def token_combine(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        """expert outputs [R, H] -> y_TH: moe_comm's combine, the K routing weights applied (slot order)."""
+        """expert outputs [R, H] -> y_TH: moe_comm's combine, the K routing weights applied (slot order).
+        After the experts raised on this rank (held by the guarded routed_experts_compute; hidden_states is
+        then a placeholder, not read) combine carries that error: every rank raises here."""
         shape, _, weight_TK, out = self._call
+        failed, self._experts_error = self._experts_error, None
         self._call = (shape, None, None, None)
-        return self.dispatcher.combine(hidden_states, weight_TK, out.handle)
+        return self.dispatcher.combine(hidden_states, weight_TK, out.handle, failed=failed)
 
     def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = self._call[0]
@@ -233,21 +252,54 @@ def _moe_layers(model: Union[nn.Module, Iterable[nn.Module]]) -> List[Tuple[str,
             for name, m in c.named_modules() if isinstance(m, MegatronMoELayer)]
 
 
-def use_moe_comm(model: Union[nn.Module, Iterable[nn.Module]], **options) -> int:
+def _guarded_routed_experts_compute(layer: MegatronMoELayer, hidden_states: torch.Tensor, probs: torch.Tensor):
+    """``MoELayer.routed_experts_compute`` (dispatch_postprocess -> experts -> combine_preprocess), bound to a
+    layer by ``use_moe_comm``. An exception there, while moe_comm's dispatch is open, is held by the token
+    dispatcher and a placeholder (zeros like the rows [R, H], no bias: Megatron's MoELayer asserts None) goes
+    on to token_combine, which sends the error in combine's control exchange: every rank raises there."""
+    try:
+        return type(layer).routed_experts_compute(layer, hidden_states, probs)
+    except Exception as err:  # noqa: BLE001 - held for the collective raise in token_combine
+        td = layer.token_dispatcher
+        if not isinstance(td, MoeCommTokenDispatcher) or not td.hold_experts_error(err):
+            raise
+        return torch.zeros_like(hidden_states), None
+
+
+_GUARD = "routed_experts_compute"
+
+
+def _ep_group_ranks(group) -> Optional[List[int]]:
+    import torch.distributed as dist
+    return None if group is None else dist.get_process_group_ranks(group)
+
+
+def use_moe_comm(model: Union[nn.Module, Iterable[nn.Module]], *, ep_group=None, **options) -> int:
     """Make moe_comm the token dispatcher of every Megatron-Core ``MoELayer`` in ``model``, in place.
 
     Args:
         model: a Megatron-Core model (e.g. ``GPTModel``), a list of model chunks, or one ``MoELayer``; every
             rank of the EP group calls this with the same structure (dispatcher construction is collective).
+        ep_group: the EP ProcessGroup, for a rank whose chunks hold no MoE layer (a pipeline stage of dense
+            layers) to join the agreement its EP peers make; None (default): the layers' own group, else
+            Megatron's global EP group (``parallel_state``) when initialised. A rank with no MoE layer and
+            no group returns 0 without a collective. With layers, it must be theirs.
         options: ``moe_comm.Dispatcher`` arguments for every layer (see ``OPTIONS`` and
             ``MoeCommTokenDispatcher``).
     Returns: the number of MoE layers switched (0 when there is none).
     Each layer keeps its router, experts, shared experts and parameters (state-dict keys unchanged); its
-    ``token_dispatcher`` becomes a ``MoeCommTokenDispatcher`` on the layer's EP group. An unsupported config
-    or bad option raises on every rank before any layer changes: the message names the field and the reason.
+    ``token_dispatcher`` becomes a ``MoeCommTokenDispatcher`` on the layer's EP group, and its
+    ``routed_experts_compute`` is guarded (an instance attribute): an exception in the experts raises on
+    every EP rank at token_combine (``PeerFailed`` on the others) instead of leaving the peers waiting. An
+    unsupported config, a bad option, or MoE layers that differ across the EP group raise on every rank
+    before any layer changes: the message names the field and the reason.
     """
     who = "use_moe_comm"
     layers = _moe_layers(model)
+    group = layers[0][1].token_dispatcher.ep_group if layers else ep_group
+    if group is None:
+        from megatron.core import parallel_state
+        group = parallel_state.get_expert_model_parallel_group(check_initialized=False)
     error = None
     try:
         unknown = sorted(set(options) - set(OPTIONS))
@@ -257,16 +309,29 @@ def use_moe_comm(model: Union[nn.Module, Iterable[nn.Module]], **options) -> int
             reason = _unsupported(layer.config, layer.token_dispatcher.tp_size)
             if reason is not None:
                 raise ValueError(f"{who}: MoE layer {name!r}: {reason}")
+            if _GUARD in layer.__dict__ and getattr(layer.__dict__[_GUARD], "__func__", None) \
+                    is not _guarded_routed_experts_compute:
+                raise ValueError(f"{who}: MoE layer {name!r}: its {_GUARD} is replaced on the instance; moe_comm "
+                                 f"guards the class's {_GUARD} and would bypass that replacement")
+        if layers and ep_group is not None and _ep_group_ranks(ep_group) != _ep_group_ranks(group):
+            raise ValueError(f"{who}: ep_group holds ranks {_ep_group_ranks(ep_group)} but the MoE layers' EP "
+                             f"group holds {_ep_group_ranks(group)}; pass theirs or None")
     except (TypeError, ValueError) as err:
         error = err
-    if layers:  # every rank learns of another's failure, and will build as many dispatchers
-        agree(layers[0][1].token_dispatcher.ep_group, {"MoE layers": [name for name, _ in layers]}, what=who,
-              local_error=error, timeout=options.get("timeout"))
-    elif error is not None:
-        raise error
-    for _, layer in layers:
+    if group is None:  # no layer and no EP group known: nothing to agree on (nothing to switch)
+        if error is not None:
+            raise error
+        return 0
+    # Every rank, with layers or none, learns of another's failure and will build as many dispatchers.
+    agree(group, {"MoE layers": [name for name, _ in layers]}, what=who, local_error=error,
+          timeout=options.get("timeout"))
+    built = []
+    for _, layer in layers:  # every dispatcher first (each construction collective): a failure switches none
         old = layer.token_dispatcher
         pgs = ProcessGroupCollection(ep=old.ep_group, expt_tp=old.tp_group, tp_ep=old.tp_ep_group)
-        layer.token_dispatcher = MoeCommTokenDispatcher(layer.num_local_experts, layer.local_expert_indices,
-                                                        layer.config, pgs, **options)
+        built.append(MoeCommTokenDispatcher(layer.num_local_experts, layer.local_expert_indices, layer.config, pgs,
+                                            **options))
+    for (_, layer), td in zip(layers, built):
+        layer.token_dispatcher = td
+        setattr(layer, _GUARD, types.MethodType(_guarded_routed_experts_compute, layer))
     return len(layers)

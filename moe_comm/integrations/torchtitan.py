@@ -14,15 +14,18 @@ combine over ``num_chunks`` chunks) instead of torchtitan's token dispatcher. Th
 are unchanged and torchtitan's DCP checkpoints load in either direction.
 
 Where it goes: in a parallelize function (e.g. torchtitan's ``parallelize_qwen3``), right before
-``model.parallelize(parallel_dims)`` with ``ep_mesh = parallel_dims.get_mesh("ep")``. torchtitan's
-``parallelize`` then shards the experts over the EP mesh (global expert g on EP rank g // e, the layout
-moe_comm dispatches to) and wraps the forward in its ``local_map`` region, which now runs moe_comm. A model
-that is not parallelized by torchtitan works too when each rank's experts hold its e experts.
+``model.parallelize(parallel_dims)`` with ``ep_mesh = parallel_dims.get_mesh("ep")``, when EP is on
+(``expert_parallel_degree`` > 1; with EP off torchtitan's local dispatch moves no tokens between ranks and
+there is nothing for moe_comm to do: ``ep_mesh=None`` raises). torchtitan's ``parallelize`` then shards the
+experts over the EP mesh (global expert g on EP rank g // e, the layout moe_comm dispatches to) and wraps the
+forward in its ``local_map`` region, which now runs moe_comm. A model that is not parallelized by torchtitan
+works too when each rank's experts hold its e experts (pass its EP group).
 
 ``torchtitan`` is imported by this module: ``import moe_comm`` never loads it.
 """
 from __future__ import annotations
 
+import inspect
 from typing import List, Optional, Tuple
 
 import torch
@@ -38,7 +41,7 @@ from moe_comm.monitor.load import LoadMonitor
 
 try:
     from torch.distributed.tensor import DTensor
-    from torchtitan.models.common.moe import MoE, RoutedExperts
+    from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
 except ImportError as _err:  # noqa: F841 - re-raised with the install line
     raise ImportError(f"moe_comm.integrations.torchtitan needs torchtitan 0.3.0 ({_err}); install it with "
@@ -50,6 +53,11 @@ __all__ = ["apply_moe_comm", "MoeCommRoutedExperts", "DISPATCHER_OPTIONS"]
 DISPATCHER_OPTIONS = ("num_chunks", "backend", "strict", "timeout", "direct_min_bytes", "max_chunks",
                       "end_check", "dedup", "dispatch_dtype", "dispatch_scales")
 _OPTIONS = DISPATCHER_OPTIONS + ("monitor",)
+# Options whose values change the collectives a call issues (agreed across the EP group by apply_moe_comm;
+# the Dispatcher agrees on its resolved settings too): the rest (backend, timeout) are local.
+_AGREED = ("num_chunks", "strict", "max_chunks", "end_check", "dedup", "dispatch_dtype", "dispatch_scales",
+           "direct_min_bytes")
+_DEFAULTS = {k: p.default for k, p in inspect.signature(Dispatcher.__init__).parameters.items() if k in _AGREED}
 # torchtitan's dispatchers moe_comm takes the place of (exact classes: a subclass may compute another function)
 _REPLACEABLE = (LocalTokenDispatcher, AllToAllTokenDispatcher)
 _WHY_NOT = {
@@ -83,9 +91,13 @@ class MoeCommRoutedExperts(RoutedExperts):
         B, L, D = x_BLD.shape
         K = topk_expert_ids_BLK.shape[-1]
         x_TD = x_BLD.reshape(B * L, D)
+        if d.sync_free:  # agreed when the Dispatcher was built: every rank raises here alike
+            raise ValueError("MoeCommRoutedExperts: moe_comm_dispatcher is in the sync-free mode "
+                             "(max_tokens_per_rank), which apply_moe_comm does not build; use its Dispatcher")
         error = _local_experts_error(self.inner_experts, d.num_local_experts, d.num_experts)
         if error is not None:
             d.fail(error)  # joins the call's control exchange: every rank raises, naming this one
+            raise error  # not reached: fail() returns only in the sync-free mode, refused above
         recompute = in_backward()  # activation checkpointing's recompute: the load was counted in the first pass
         monitor = self.moe_comm_monitor if self.training and not recompute else None
         try:
@@ -109,11 +121,16 @@ class MoeCommRoutedExperts(RoutedExperts):
         super().parallelize(parallel_dims)
         mesh = parallel_dims.get_optional_mesh("ep")
         d = self.moe_comm_dispatcher
-        theirs = [0] if mesh is None else dist.get_process_group_ranks(mesh.get_group())
-        ours = [0] if d.group is None else dist.get_process_group_ranks(d.group)
-        if theirs != ours:
+        theirs = None if mesh is None else dist.get_process_group_ranks(mesh.get_group())
+        ours = None if d.group is None else dist.get_process_group_ranks(d.group)
+        if theirs is None and d.world_size > 1:  # the same parallel_dims on every rank: every rank raises
+            raise ValueError(f"apply_moe_comm: ep_mesh holds ranks {ours} but torchtitan's EP is off "
+                             "(parallel_dims has no EP mesh: expert_parallel_degree 1, the experts are not "
+                             "sharded); its local dispatch moves no tokens between ranks: do not call "
+                             "apply_moe_comm, or turn EP on and pass ep_mesh=parallel_dims.get_mesh('ep')")
+        if theirs is not None and theirs != ours:
             raise ValueError(f"apply_moe_comm: ep_mesh holds ranks {ours} but torchtitan's parallel_dims EP mesh "
-                             f"holds {theirs}; pass ep_mesh=parallel_dims.get_mesh('ep') (or None when EP is off)")
+                             f"holds {theirs}; pass ep_mesh=parallel_dims.get_mesh('ep')")
 
 
 def _local_shape(p: torch.Tensor) -> Tuple[int, ...]:
@@ -167,6 +184,12 @@ def _find(model: nn.Module) -> List[Tuple[str, RoutedExperts]]:
             raise ValueError(f"apply_moe_comm: {where}.token_dispatcher is a {type(td).__name__}: {why}. Configure "
                              "the standard dispatcher (comm_backend='standard': AllToAllTokenDispatcher); moe_comm "
                              "then takes its place")
+        owner = next((c for c in type(r.inner_experts).__mro__ if "_grouped_mm" in c.__dict__), None)
+        if isinstance(r.inner_experts, GroupedExperts) and owner is not GroupedExperts:
+            raise ValueError(f"apply_moe_comm: {where}.inner_experts is a {type(r.inner_experts).__name__} whose "
+                             f"_grouped_mm is {owner.__name__}'s, not torchtitan's GroupedExperts' (a quantization "
+                             "converter's: its FP8/MXFP8 grouped GEMM needs each expert's rows padded to a multiple, "
+                             "as TorchAOTokenDispatcher pads them); moe_comm hands the experts unpadded rows")
         if td.num_experts != m.router.num_experts:
             raise ValueError(f"apply_moe_comm: {where}: the token dispatcher has num_experts={td.num_experts}, "
                              f"the router {m.router.num_experts}")
@@ -180,31 +203,43 @@ def apply_moe_comm(model: nn.Module, ep_mesh=None, **options) -> int:
     Args:
         model: a torchtitan model (or one ``MoE`` module), on any device including meta; every rank of the EP
             group calls this with the same model structure (construction is collective).
-        ep_mesh: the EP mesh: a 1-D ``DeviceMesh`` (``parallel_dims.get_mesh("ep")``), a ProcessGroup, or
-            None (WORLD when torch.distributed is initialised, else one process). Global expert g lives on
-            its rank g // (E / W), as torchtitan's EP sharding (Shard(0)) puts it.
+        ep_mesh: the EP mesh: a 1-D ``DeviceMesh`` (``parallel_dims.get_mesh("ep")``) or a ProcessGroup.
+            Global expert g lives on its rank g // (E / W), as torchtitan's EP sharding (Shard(0)) puts it.
+            None only in one process without torch.distributed (W = 1); with torch.distributed initialised
+            it raises ValueError: it is what ``parallel_dims.get_optional_mesh("ep")`` returns when EP is off,
+            where torchtitan's local dispatch moves no tokens between ranks (nothing for moe_comm to do).
         options: Dispatcher arguments, the same for every MoE module: ``num_chunks`` (C, int or "auto":
             the pipelined call overlaps chunk c's experts with the other chunks' transfers), ``backend``,
             ``strict``, ``timeout``, ``direct_min_bytes``, ``max_chunks``, ``end_check``, ``dedup``,
             ``dispatch_dtype`` (torch.float8_e4m3fn: FP8 dispatch), ``dispatch_scales``; and ``monitor``
             (False default; True or a dict of ``LoadMonitor`` options: one monitor per module,
             ``routed_experts.moe_comm_monitor``, fed torchtitan's per-expert counts in every training forward,
-            summed over the EP group with one async all_reduce). See ``moe_comm.Dispatcher``.
+            summed over the EP group with one async all_reduce). See ``moe_comm.Dispatcher``. Whether a
+            monitor is on and the options that change the collectives (all but ``backend``, ``timeout``)
+            must be equal on every rank: a difference raises ValueError on every rank, naming the option.
     Returns: the number of MoE modules changed (0 for a model without torchtitan MoE modules).
     Raises on every rank of the EP group (none waits for another): TypeError for an unknown option,
     ValueError naming the argument for a bad value (Dispatcher's checks) or the module and the reason for
     what moe_comm cannot honour: a token dispatcher other than torchtitan's all-to-all / local one
     (TorchAO's padded rows, DeepEP / HybridEP / MinimalAsyncEP transports), a RoutedExperts subclass, a
-    module already parallelized by torchtitan (apply before ``model.parallelize``), a 2-D ``ep_mesh``.
+    module already parallelized by torchtitan (apply before ``model.parallelize``), inner experts with a
+    quantization converter's ``_grouped_mm`` (it needs padded rows), a 2-D ``ep_mesh``, ``ep_mesh=None`` with
+    torch.distributed initialised (EP off).
     Nothing is changed when anything raises.
     """
     who = "apply_moe_comm"
     if getattr(ep_mesh, "ndim", 1) != 1:  # the same object on every rank: every rank raises here alike
         raise ValueError(f"{who}: ep_mesh must be a 1-D DeviceMesh (parallel_dims.get_mesh('ep')), a ProcessGroup "
                          f"or None, got a {ep_mesh.ndim}-D DeviceMesh")
+    if ep_mesh is None and dist.is_available() and dist.is_initialized():  # the same on every rank (EP config)
+        raise ValueError(f"{who}: ep_mesh is None: EP is off (parallel_dims.get_optional_mesh('ep') is None at "
+                         "expert_parallel_degree 1): torchtitan's local dispatch moves no tokens between ranks, "
+                         "nothing for moe_comm to do; leave the model as it is, or turn EP on and pass "
+                         "parallel_dims.get_mesh('ep') (or the EP ProcessGroup of a model torchtitan does not "
+                         "parallelize)")
     group = resolve_group(ep_mesh, name=f"{who}: ep_mesh")
     W = group_size(group)
-    local_error, found = None, []
+    local_error, found, dispatcher_opts, monitor = None, [], {}, False
     try:  # local checks; a rank that fails here still joins the agreement below: every rank raises
         if not isinstance(model, nn.Module):
             raise TypeError(f"{who}: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -217,9 +252,11 @@ def apply_moe_comm(model: nn.Module, ep_mesh=None, **options) -> int:
             make_monitor(monitor, E, W)  # checks the options before any construction
     except (TypeError, ValueError) as err:
         local_error = err
-    # Collective: every rank learns of a rank's error and raises; every rank builds as many Dispatchers.
-    agree(group, {"MoE modules": [where for where, _ in found]}, what=who, local_error=local_error,
-          timeout=options.get("timeout"))
+    # Collective: every rank learns of a rank's error and raises; every rank builds as many Dispatchers and
+    # issues the same collectives (a monitor adds an all_reduce per training forward).
+    values = {"MoE modules": [where for where, _ in found], "monitor": not (monitor is None or monitor is False)}
+    values.update({k: dispatcher_opts.get(k, _DEFAULTS[k]) for k in _AGREED})
+    agree(group, values, what=who, local_error=local_error, timeout=options.get("timeout"))
     built = []
     for where, r in found:  # each Dispatcher construction is collective (its own agreement on the options)
         E = r.token_dispatcher.num_experts

@@ -66,6 +66,14 @@ def _rank_parity(rank, world_size, routing, options):
     return out
 
 
+# The compared gradients: the router gate and this rank's experts, and with deepseek_v3 the shared expert.
+_EXPERT_GRADS = ["routed_experts.inner_experts.w1_EFD", "routed_experts.inner_experts.w2_EDF",
+                 "routed_experts.inner_experts.w3_EFD"]
+_SHARED_GRADS = ["shared_experts.w1.weight", "shared_experts.w2.weight", "shared_experts.w3.weight"]
+COMPARED = {"qwen3": sorted(["y", "dx", "router.gate.weight"] + _EXPERT_GRADS),
+            "deepseek_v3": sorted(["y", "dx", "router.gate.weight"] + _EXPERT_GRADS + _SHARED_GRADS)}
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("world_size,routing,options", [
     (1, "qwen3", {}),
@@ -75,7 +83,8 @@ def _rank_parity(rank, world_size, routing, options):
 ])
 def test_fp32_forward_and_every_gradient_match_torchtitan(ranks, world_size, routing, options):
     for r in ranks(world_size).run(_rank_parity, routing, options):
-        assert len(r) >= 5 and max(r.values()) <= 1e-5, r
+        assert sorted(r) == COMPARED[routing], sorted(r)  # a missing gradient (e.g. the experts') fails here
+        assert max(r.values()) <= 1e-5, r
 
 
 def _rank_bf16(rank, world_size):
@@ -137,7 +146,11 @@ def _outcome(fn):
 
 def _rank_failures(rank, world_size):
     """Each failure, on one rank only, raises on every rank (none waits): an unsupported dispatcher on rank 1 at
-    apply time, then experts raising on rank 1 inside the call, then experts not sharded on any rank."""
+    apply time, a monitor on rank 1 only, then experts raising on rank 1 inside the call, then experts not
+    sharded on any rank. EP off (ep_mesh None; torchtitan's parallel_dims without an EP mesh at parallelize)
+    raises on every rank alike."""
+    import types
+
     import torch.distributed as dist
     from torchtitan.models.common.token_dispatcher import TorchAOTokenDispatcher
     ttm.use_partial_dtensor_backend()
@@ -147,6 +160,14 @@ def _rank_failures(rank, world_size):
         moe.routed_experts.token_dispatcher.__class__ = TorchAOTokenDispatcher
     out["apply"] = _outcome(lambda: mc_tt.apply_moe_comm(moe, dist.group.WORLD))
     out["unchanged"] = type(moe.routed_experts).__name__
+
+    moe = ttm.build_moe("qwen3", D=D, world_size=world_size, rank=rank)
+    out["ep_off"] = _outcome(lambda: mc_tt.apply_moe_comm(moe, None))
+    out["monitor_one_rank"] = _outcome(lambda: mc_tt.apply_moe_comm(moe, dist.group.WORLD, monitor=rank == 1))
+    out["unchanged_monitor"] = type(moe.routed_experts).__name__
+    mc_tt.apply_moe_comm(moe, dist.group.WORLD)
+    no_ep = types.SimpleNamespace(get_optional_mesh=lambda dims, **kw: None)  # parallel_dims at ep = 1
+    out["parallelize_ep_off"] = _outcome(lambda: moe.routed_experts.parallelize(no_ep))
 
     moe = ttm.build_moe("qwen3", D=D, world_size=world_size, rank=rank)
     mc_tt.apply_moe_comm(moe, dist.group.WORLD)
@@ -172,6 +193,13 @@ def test_failures_raise_on_every_rank(ranks):
         kind, msg = r["apply"]
         assert "TorchAOTokenDispatcher" in msg and "pads" in msg, r["apply"]
         assert r["unchanged"] == "RoutedExperts"  # nothing changed on any rank
+        kind, msg = r["ep_off"]
+        assert kind == "ValueError" and "ep_mesh is None: EP is off" in msg, r["ep_off"]
+        kind, msg = r["monitor_one_rank"]  # rank 1 would issue an all_reduce per forward that rank 0 does not
+        assert kind == "ValueError" and "monitor differs" in msg and "True on ranks [1]" in msg, r["monitor_one_rank"]
+        assert r["unchanged_monitor"] == "RoutedExperts"
+        kind, msg = r["parallelize_ep_off"]
+        assert kind == "ValueError" and "holds ranks [0, 1] but torchtitan's EP is off" in msg, r["parallelize_ep_off"]
         kind, msg = r["experts"]
         assert "expert kernel failed" in msg and "rank 1" in msg, r["experts"]
         assert r["after"] is None
@@ -217,6 +245,12 @@ def test_options_and_unsupported_modules_raise_naming_them():
     with pytest.raises(ValueError, match="before model.parallelize"):
         mc_tt.apply_moe_comm(moe, None)
     del moe.routed_experts.forward
+    inner = moe.routed_experts.inner_experts
+    plain = type(inner)
+    inner.__class__ = type("MXFP8GroupedExperts", (plain,), {"_grouped_mm": lambda self, *, A, B_t, offs: A})
+    with pytest.raises(ValueError, match="_grouped_mm is MXFP8GroupedExperts's.*unpadded rows"):
+        mc_tt.apply_moe_comm(moe, None)  # a quantization converter's grouped GEMM needs padded rows
+    inner.__class__ = plain
     assert mc_tt.apply_moe_comm(torch.nn.Sequential(moe, ttm.twin(moe)), None) == 2
     with pytest.raises(ValueError, match="applied twice"):
         mc_tt.apply_moe_comm(moe, None)
@@ -241,5 +275,8 @@ def test_example_trains_like_torchtitan_and_checkpoints_load_both_ways(tmp_path)
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(lines[-1])
     assert out["ok"] and out["moe_modules_changed"] == 1 and len(out["steps"]) == 2
+    # moe_comm carried the tokens (equal losses alone would pass with torchtitan's dispatch): 2 steps + 1 forward
+    (ran,) = out["moe_comm_dispatchers"]
+    assert ran["calls"] == 3 and ran["dispatch_logical_bytes"] > 0 and ran["dispatch_wire_bytes"] > 0, ran
     assert out["max_loss_rel_diff"] <= 1e-5 and out["reload_rel_diff"] <= 1e-5
     assert (tmp_path / "torchtitan_dispatch").is_dir() and (tmp_path / "moe_comm_dispatch").is_dir()
