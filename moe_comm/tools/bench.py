@@ -36,7 +36,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -98,6 +98,8 @@ class BenchPoint:
     call_dedup_s: float = 0.0        # the same with dedup=True
     call_bytes: Dict[str, int] = None        # rank 0's last_bytes of that call
     call_dedup_bytes: Dict[str, int] = None  # and of the dedup call
+    ranks_per_node: Optional[int] = None     # the layer's two-level dispatch (None: flat)
+    layer_bytes: Dict[str, int] = None       # rank 0's last_bytes of the layer's last forward (two-level: by link)
 
     def as_dict(self) -> Dict:
         return asdict(self)
@@ -263,7 +265,9 @@ def _layer_steps(layer, xs: torch.Tensor, group, repeats: int):
     by itself where ``GroupedExperts.prefers_segments`` says so). Interleaved; slowest rank's median."""
     d, experts = layer.dispatcher, layer.experts
     default, force = d.direct_min_bytes, {"all_to_all": (1 << 62, True)}
-    if d.num_local_experts > 1 and d.world_size > 1 and not d.dedup:  # one copy per rank: one all-to-all only
+    if getattr(d, "ranks_per_node", None):  # two levels: each picks its own transport; nothing to force here
+        force = {}
+    elif d.num_local_experts > 1 and d.world_size > 1 and not d.dedup:  # one copy per rank: one all-to-all only
         force["point_to_point"] = (0, True)
         force["all_to_all_regroup"] = (1 << 62, False)
 
@@ -342,11 +346,14 @@ def bench_rank(rank: int, world_size: int, opts: Dict) -> List[Dict]:
             point.workload = pt["workload"]
             if opts.get("layer", True):
                 cfg = MoEConfig(hidden_size=H, ffn_hidden_size=opts.get("ffn", 256), num_experts=E, top_k=K,
-                                num_chunks=pt["chunks"], dedup=dedup, **wire)
+                                num_chunks=pt["chunks"], dedup=dedup, ranks_per_node=opts.get("ranks_per_node"),
+                                **wire)
                 layer = MoELayer(cfg, seed=1, dtype=dtype)
                 xs = x[: min(T, opts.get("layer_tokens", 1024))].clone().requires_grad_(True)
                 point.layer_step_s, point.layer_transport, point.layer_step_by_transport_s = \
                     _layer_steps(layer, xs, d.group, opts.get("layer_repeats", 3))
+                point.ranks_per_node = layer.dispatcher.ranks_per_node
+                point.layer_bytes = dict(layer.dispatcher.last_bytes)
             results.append(point.as_dict())
             if progress is not None:
                 progress.advance(task)

@@ -13,7 +13,7 @@ import io
 import json
 import sys
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -392,7 +392,8 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     opts = {"tokens": ns.tokens, "hidden": ns.hidden, "top_k": ns.top_k, "experts": ns.experts,
             "chunks": ns.chunks, "dtype": ns.dtype, "workload": ns.workload, "repeats": ns.repeats,
             "ffn": ns.ffn, "layer": not ns.no_layer, "seed": ns.seed, "progress": not ns.quiet,
-            "dispatch_dtype": ns.dispatch_dtype, "dispatch_scales": ns.dispatch_scales, "dedup": ns.dedup}
+            "dispatch_dtype": ns.dispatch_dtype, "dispatch_scales": ns.dispatch_scales, "dedup": ns.dedup,
+            "ranks_per_node": ns.ranks_per_node}
     points = run_ranks(bench_rank, ns.world_size, opts)
     if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
         return 0  # rank 0 reports
@@ -400,6 +401,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         print("error: the ranks returned no results", file=sys.stderr)
         return 1
     _print_bench(points, wide=ns.wide)
+    _print_links(points)
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump({"command": "bench", "options": opts,
@@ -428,12 +430,25 @@ def cmd_profile(ns: argparse.Namespace) -> int:
         except json.JSONDecodeError:
             params[k] = v
     keys = ("world_size", "tokens", "hidden", "ffn", "experts", "top_k", "num_chunks", "steps", "warmup",
-            "workload", "dtype", "seed", "link", "link_delay", "dispatch_dtype", "dispatch_scales", "dedup")
+            "workload", "dtype", "seed", "link", "link_delay", "dispatch_dtype", "dispatch_scales", "dedup",
+            "ranks_per_node")
     opts = {**{k: getattr(ns, k) for k in keys}, "workload_params": params, "timeout_s": ns.timeout}
     try:
         return profile_main(opts, ns.out)
     except (ValueError, TypeError) as e:
         return _fail(str(e))
+
+
+def _print_links(points: List[Dict]) -> None:
+    """With a two-level layer (--ranks-per-node): its last step's bytes by link, rank 0 (one forward)."""
+    for p in points:
+        b = p.get("layer_bytes") or {}
+        if "dispatch_wire_inter" in b:
+            inter = b["dispatch_wire_inter"] + b["combine_wire_inter"]
+            intra = b["dispatch_wire_intra"] + b["combine_wire_intra"]
+            print(f"T={p['tokens']} H={p['hidden']}: two-level layer (L={p.get('ranks_per_node')}), rank 0's last "
+                  f"forward: {inter} B across nodes ({b['rows_inter']} rows for {b['tokens']} tokens), {intra} B "
+                  f"inside its node; step {p['layer_step_s'] * 1e3:.1f} ms")
 
 
 def _positive(v: str) -> int:
@@ -471,6 +486,19 @@ def _add_cluster_args(sp) -> None:
                     help="run under multi-node torchrun on an emulated cluster of this many nodes, --world-size / "
                          "--nodes ranks each (root, ip, tc)")
     sp.add_argument("--inter-link", default="1gbit", help="with --nodes: tc rate of each node's link, each way")
+    sp.add_argument("--ranks-per-node", type=_ranks_per_node, default=None,
+                    help="the layer's two-level dispatch (MoEConfig.ranks_per_node): 'auto' (torchrun's "
+                         "LOCAL_WORLD_SIZE: the cluster's ranks per node under --nodes) or L; default: flat. The "
+                         "layer's bytes are then split by link (inter- / intra-node)")
+
+
+def _ranks_per_node(v: str):
+    if v == "auto":
+        return v
+    n = int(v)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an int >= 1, got {v!r}")
+    return n
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -238,3 +238,20 @@ def test_profile_bad_workload_param_exits_2(capsys):
     """Tier 1."""
     assert cli.main(["profile", "--workload-param", "novalue"]) == 2
     assert "KEY=VALUE" in capsys.readouterr().err
+
+
+@pytest.mark.multirank
+def test_bench_two_level_layer_reports_bytes_by_link(tmp_path):
+    """``--ranks-per-node 2`` on 4 spawned ranks (nodes as rank blocks): the layer runs two-level, its bytes are
+    split by link, and the line under the table says so."""
+    out = tmp_path / "bench.json"
+    r = _run("bench", "--world-size", "4", "--ranks-per-node", "2", "--tokens", "32", "--hidden", "8", "--experts",
+             "8", "--top-k", "2", "--repeats", "1", "--ffn", "8", "--quiet", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    (p,) = json.loads(out.read_text())["points"]
+    b = p["layer_bytes"]
+    assert p["ranks_per_node"] == 2 and b["rows_inter"] > 0 and b["dispatch_wire_intra"] >= 0
+    assert b["dispatch_wire_inter"] > 0 and b["combine_wire_inter"] == b["rows_inter"] * 8 * 4  # H x fp32
+    assert f"{b['dispatch_wire_inter'] + b['combine_wire_inter']} B across nodes" in r.stdout
+    bad = _run("bench", "--ranks-per-node", "0")
+    assert bad.returncode != 0 and "--ranks-per-node" in bad.stderr

@@ -180,7 +180,7 @@ def profile_rank(rank: int, world_size: int, opts: Dict[str, Any]) -> Optional[D
 
     cfg = MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=K, num_chunks=C, dedup=opts["dedup"],
                     dispatch_dtype=torch.float8_e4m3fn if opts["dispatch_dtype"] == FP8 else None,
-                    dispatch_scales=opts["dispatch_scales"])
+                    dispatch_scales=opts["dispatch_scales"], ranks_per_node=opts.get("ranks_per_node"))
     layer = MoELayer(cfg, seed=opts["seed"], device=device, dtype=dtype)
     if opts["workload"] != "router":
         _pin_router(layer)

@@ -29,6 +29,7 @@ DEFAULT_OPTS: Dict[str, Any] = {
     "dispatch_dtype": None,  # None (rows travel in dtype) or "float8_e4m3fn" (FP8 dispatch; "fp8" is accepted)
     "dispatch_scales": "fp32",  # FP8 block scales, "fp32" or "ue8m0" (also what an FP8 suggestion models)
     "dedup": False,         # one copy per (token, destination rank) in the layer's pipelined call
+    "ranks_per_node": None,  # the layer's two-level dispatch (MoEConfig.ranks_per_node): None, "auto" or L
     "link": None,           # e.g. "1gbit": re-run inside a namespace with a shaped loopback
     "link_delay": None,     # e.g. "1ms": netem delay on that link
     "timeout_s": 900,       # the whole run on the emulated link
@@ -88,6 +89,9 @@ def normalize_opts(opts: Optional[Dict[str, Any]]) -> Dict[str, Any]:
         raise ValueError(f"dispatch_scales must be 'fp32' or 'ue8m0', got {o['dispatch_scales']!r}")
     if not isinstance(o["dedup"], bool):
         raise ValueError(f"dedup must be a bool, got {o['dedup']!r}")
+    rpn = o["ranks_per_node"]
+    if rpn is not None and rpn != "auto" and (isinstance(rpn, bool) or not isinstance(rpn, int) or rpn < 1):
+        raise ValueError(f"ranks_per_node must be None, 'auto' or an int >= 1, got {rpn!r}")
     if o["workload"] != "router":
         if o["workload"] not in WORKLOADS:
             raise ValueError(f"workload must be 'router' or one of {', '.join(WORKLOADS)}, got {o['workload']!r}")
