@@ -1,10 +1,12 @@
-"""The failure protocol across nodes on the emulated cluster (``run_on_cluster``; root, ip and tc, else skipped
-with the reason): an inter-node link that stalls mid-run (its interface goes down between two calls of a
+"""Two-level dispatch on the emulated cluster (``run_on_cluster``; root, ip and tc, else skipped with the reason):
+the multi-node example trains (scaled down) with ``--ranks-per-node auto`` and node-limited routing under real
+multi-node torchrun; an inter-node link that stalls mid-run (its interface goes down between two calls of a
 two-level Dispatcher) makes every rank, on both nodes, raise ``CollectiveError`` naming itself within the
 timeout (two levels' timeouts at most, plus scheduling); nothing hangs."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -58,3 +60,15 @@ def test_stalled_inter_node_link_raises_on_every_rank_within_the_timeout(tmp_pat
         assert res["outcome"].startswith("CollectiveError"), (r, res)
         assert f"EP rank {r}" in res["outcome"], (r, res)
         assert res["seconds"] < 2 * 4.0 + 8.0, (r, res)
+
+
+@pytest.mark.multirank
+@pytest.mark.skipif(not _AVAILABLE, reason=_WHY_NOT or "the emulated cluster is unavailable")
+def test_multinode_example_trains_two_level_on_the_cluster():
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "multinode_train.py")
+    res = run_on_cluster([sys.executable, example, "--ranks-per-node", "auto", "--node-limited", "--steps", "3",
+                          "--tokens", "64", "--hidden", "32"], nodes=2, ranks_per_node=2, capture=True, timeout=120)
+    out = "".join(n.stdout for n in res.nodes)
+    assert res.returncode == 0, [n.stderr[-2000:] for n in res.nodes]
+    assert "topology auto" in out and ": OK" in out, out[-2000:]
+    assert "'rows_inter'" in out  # the two-level path ran: its bytes by link are printed
