@@ -117,7 +117,8 @@ class Dispatcher(CallControl):
             (``moe_comm.dispatch.hierarchy``). "auto": L from torchrun's LOCAL_WORLD_SIZE. One node or one rank
             per node stays flat. Every phase opens and closes with a control exchange over the whole group
             around the levels' own (read eagerly); with FP8 only the rail rows are FP8. Not with
-            dispatch()/combine(), the sync-free mode or num_chunks="auto". ``last_bytes`` then also splits the
+            dispatch()/combine(), the sync-free mode, num_chunks="auto" or end_check="deferred" (it reads every
+            exchange). ``last_bytes`` then also splits the
             wire bytes by link ("*_wire_inter", "*_wire_intra", this rank's rows to other ranks only).
         summed_words: float64 words a call may add to its control exchange (``__call__``'s ``summed_X``),
             summed over the EP group there into ``last_sum``: statistics that then need no collective of their

@@ -28,7 +28,8 @@ reach ``.grad`` only after the whole-group closing exchange of the backward; a p
 during its node's backward.
 
 Not here: ``dispatch()``/``combine()``, the sync-free mode, num_chunks="auto" (each would need its own
-whole-group agreement per level); exchanges are read eagerly (one host read per exchange, also on CUDA).
+whole-group agreement per level); exchanges are read eagerly (one host read per exchange, also on CUDA), so
+end_check="deferred" is refused.
 """
 from __future__ import annotations
 
