@@ -257,8 +257,8 @@ class Dispatcher(CallControl):
             self.channel.timeline = tl
         for t in getattr(self, "_transports", {}).values():
             t.timeline = tl
-        for level in getattr(getattr(self, "_nodes", None), "levels", ()):
-            level.timeline = tl
+        if getattr(self, "_nodes", None) is not None:
+            self._nodes.set_timeline(tl)
 
     def transport(self, kind: type):
         """The Transport instance of class ``kind`` (Local, AllToAll, PointToPoint) of this Dispatcher."""

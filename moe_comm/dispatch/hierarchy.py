@@ -47,7 +47,7 @@ from moe_comm.comm.collectives import poison
 from moe_comm.comm.wire import Failure, Phase, Word, dtype_code
 from moe_comm.dispatch.workspace import Workspace
 
-__all__ = ["node_size", "ranks_on_node", "NodeLevels", "node_groups"]
+__all__ = ["node_size", "ranks_on_node", "NodeLevels", "node_groups", "OnTrack", "INTER_TRACK", "INTRA_TRACK"]
 
 
 def node_size(ranks_per_node, group, world: int) -> Optional[int]:
@@ -106,6 +106,27 @@ def node_groups(group, L: int) -> Tuple[dist.ProcessGroup, dist.ProcessGroup]:
     return node, rail
 
 
+INTER_TRACK, INTRA_TRACK = "comm inter-node", "comm intra-node"
+
+
+class OnTrack:
+    """A Timeline as one level sees it: every comm span it records goes on ``track``; all else is the Timeline's."""
+
+    def __init__(self, timeline, track: str):
+        object.__setattr__(self, "_timeline", timeline)
+        object.__setattr__(self, "_track", track)
+
+    def comm(self, phase, work, chunk=-1, direction="fwd", *, start=None, layer=None, track=None):
+        return self._timeline.comm(phase, work, chunk, direction, start=start, layer=layer,
+                                   track=self._track if track is None else track)
+
+    def __getattr__(self, name):
+        return getattr(self._timeline, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._timeline, name, value)
+
+
 def _relayed(err: BaseException) -> bool:
     """A peer's failure reported by a level's exchange: its origin reports it itself in the closing exchange."""
     return isinstance(err, (PeerFailed, RemoteError))
@@ -133,6 +154,13 @@ class NodeLevels:
     @property
     def levels(self):
         return self.rail, self.inner
+
+    def set_timeline(self, timeline) -> None:
+        """The owner's Timeline for both levels, each level's comm spans (transfers, exchanges) on a track of its
+        own: "comm inter-node" (the rail; its rows to this rank's own node are a local copy) and "comm
+        intra-node"; the whole group's exchanges stay on "comm"."""
+        self.rail.timeline = OnTrack(timeline, INTER_TRACK)
+        self.inner.timeline = OnTrack(timeline, INTRA_TRACK)
 
     # ------------------------------------------------------------------ whole-group exchanges
     def _status(self, phase: Phase, call: int, C: int, error: Optional[BaseException] = None, *,

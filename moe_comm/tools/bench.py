@@ -100,6 +100,7 @@ class BenchPoint:
     call_dedup_bytes: Dict[str, int] = None  # and of the dedup call
     ranks_per_node: Optional[int] = None     # the layer's two-level dispatch (None: flat)
     layer_bytes: Dict[str, int] = None       # rank 0's last_bytes of the layer's last forward (two-level: by link)
+    layer_comm_s: Dict[str, float] = None    # two-level: rank 0's comm seconds of one layer step per timeline track
 
     def as_dict(self) -> Dict:
         return asdict(self)
@@ -258,6 +259,25 @@ def _never(block_rows, device) -> bool:
     return False
 
 
+def _comm_by_track(layer, xs: torch.Tensor, group) -> Dict[str, float]:
+    """One more layer step (forward + backward) with the timeline on: rank 0's comm seconds per track (two-level:
+    "comm inter-node", "comm intra-node", and "comm" for the whole group's exchanges), each the sum of its spans
+    (spans in flight at once overlap: a sum, not a wall time). Collective (the spans are gathered)."""
+    tl = layer.timeline
+    was, tl.enabled = tl.enabled, True
+    tl.reset()
+    try:
+        layer(xs).float().square().mean().backward()
+    finally:
+        tl.enabled = was
+    out: Dict[str, float] = {}
+    for s in tl.gather(group):
+        if s.rank == 0 and s.kind == "comm":
+            out[s.track] = out.get(s.track, 0.0) + (s.end - s.start)
+    tl.reset()
+    return out
+
+
 def _layer_steps(layer, xs: torch.Tensor, group, repeats: int):
     """Layer forward + backward: with the transport it chooses itself, and with each transport forced (the
     same threshold on every rank, so every rank takes the same one); "all_to_all_regroup": the all-to-all with
@@ -354,6 +374,8 @@ def bench_rank(rank: int, world_size: int, opts: Dict) -> List[Dict]:
                     _layer_steps(layer, xs, d.group, opts.get("layer_repeats", 3))
                 point.ranks_per_node = layer.dispatcher.ranks_per_node
                 point.layer_bytes = dict(layer.dispatcher.last_bytes)
+                if point.ranks_per_node:
+                    point.layer_comm_s = _comm_by_track(layer, xs, d.group)
             results.append(point.as_dict())
             if progress is not None:
                 progress.advance(task)

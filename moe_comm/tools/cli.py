@@ -446,9 +446,13 @@ def _print_links(points: List[Dict]) -> None:
         if "dispatch_wire_inter" in b:
             inter = b["dispatch_wire_inter"] + b["combine_wire_inter"]
             intra = b["dispatch_wire_intra"] + b["combine_wire_intra"]
+            comm = p.get("layer_comm_s") or {}
+            times = ", ".join(f"{k.replace('comm', '').strip() or 'whole group'} {v * 1e3:.1f} ms"
+                              for k, v in sorted(comm.items()))
             print(f"T={p['tokens']} H={p['hidden']}: two-level layer (L={p.get('ranks_per_node')}), rank 0's last "
                   f"forward: {inter} B across nodes ({b['rows_inter']} rows for {b['tokens']} tokens), {intra} B "
-                  f"inside its node; step {p['layer_step_s'] * 1e3:.1f} ms")
+                  f"inside its node; step {p['layer_step_s'] * 1e3:.1f} ms"
+                  + (f"; comm spans of one step (summed; they overlap): {times}" if times else ""))
 
 
 def _positive(v: str) -> int:

@@ -253,5 +253,8 @@ def test_bench_two_level_layer_reports_bytes_by_link(tmp_path):
     assert p["ranks_per_node"] == 2 and b["rows_inter"] > 0 and b["dispatch_wire_intra"] >= 0
     assert b["dispatch_wire_inter"] > 0 and b["combine_wire_inter"] == b["rows_inter"] * 8 * 4  # H x fp32
     assert f"{b['dispatch_wire_inter'] + b['combine_wire_inter']} B across nodes" in r.stdout
+    # the levels' transfers and exchanges on tracks of their own: time by link
+    assert p["layer_comm_s"]["comm inter-node"] > 0 and p["layer_comm_s"]["comm intra-node"] > 0
+    assert "inter-node" in r.stdout and "intra-node" in r.stdout
     bad = _run("bench", "--ranks-per-node", "0")
     assert bad.returncode != 0 and "--ranks-per-node" in bad.stderr
