@@ -175,6 +175,22 @@ def _apply_pending_breaks() -> None:
         _PENDING_BREAKS.remove(fn)
 
 
+def graph_breaks_applied() -> None:
+    """Backstop, called where a Dispatcher is built: once ``torch._dynamo`` is imported (by any route, even one that
+    passed the import hook by), every pending graph break is applied; one that cannot be is said, once, since
+    torch.compile would then trace the protocol's host reads and collectives."""
+    if "torch._dynamo" not in sys.modules or not _PENDING_BREAKS:
+        return
+    _apply_pending_breaks()
+    if _PENDING_BREAKS:
+        import warnings
+
+        names = ", ".join(f"{fn.__module__}.{fn.__qualname__}" for fn in _PENDING_BREAKS)
+        warnings.warn(f"moe_comm: could not mark {names} as torch.compile graph breaks (not found where they are "
+                      "defined)", RuntimeWarning, stacklevel=3)
+        _PENDING_BREAKS.clear()
+
+
 class _DynamoImportHook:
     """``sys.meta_path`` finder that only watches ``torch._dynamo``: its module executes as usual (found by the
     other finders), then the pending graph breaks are applied."""

@@ -70,3 +70,14 @@ print(json.dumps({"breaks": explained.graph_break_count, "equal": bool(torch.equ
     got = _run(code)
     assert got["disabled"] == {n: True for n in BREAKS}, got
     assert got["equal"] and got["breaks"] == 1, got
+
+
+def test_graph_breaks_applied_when_the_import_hook_was_passed_by():
+    # torch._dynamo imported by a route the hook does not see (here: the hook removed first): building a
+    # Dispatcher applies the pending breaks (moe_comm._checks.graph_breaks_applied)
+    code = ("import json, sys, importlib, moe_comm, moe_comm._checks as c; "
+            "sys.meta_path[:] = [f for f in sys.meta_path if f is not c._DynamoImportHook]; "
+            "importlib.import_module('torch._dynamo'); before = " + _disabled() + "; "
+            "moe_comm.Dispatcher(num_experts=2); print(json.dumps({'before': before, 'after': " + _disabled() + "}))")
+    got = _run(code)
+    assert not any(got["before"].values()) and got["after"] == {n: True for n in BREAKS}, got

@@ -252,12 +252,13 @@ def wait_work(work, phase: str, chunk: int = -1, *, timeout: Optional[float] = N
                 stuck = " Peers not at this exchange: " + "; ".join(
                     [f"EP rank {r} last at {w}" for r, w in sorted(behind.items())]
                     + [f"EP rank {r} never arrived" for r in missing]) + "."
+        # where peers are elsewhere or never arrived, the likely cause is a call some ranks did not make
+        hint = (" Every rank of the group must make the same calls: an MoELayer is collective, so every rank of its "
+                "EP group must call it (forward, and backward when training), also in eval mode and under "
+                "torch.no_grad(); a layer called on some ranks only waits here." if "Peers not at" in stuck else "")
         poison(group, f"the {at} {what} ({direction}) on EP rank {rank}: {e}")
         raise CollectiveError(f"moe_comm: EP rank {rank}: the {at} {what} ({direction}) failed or timed out; a "
-                              f"peer rank may have died or stalled.{stuck} Every rank of the group must make the "
-                              "same calls: an MoELayer is collective, so every rank of its EP group must call it "
-                              "(forward, and backward when training), also in eval mode and under torch.no_grad(); "
-                              f"a layer called on some ranks only waits here. {REBUILD}. Cause: {e}") from e
+                              f"peer rank may have died or stalled.{stuck}{hint} {REBUILD}. Cause: {e}") from e
 
 
 def _launched_processes() -> int:

@@ -316,8 +316,9 @@ def choose_num_chunks(expert_s: float, nbytes: float, alpha: float, beta: float,
     if link_reason or overlap_reason:
         what = (f"the link's bandwidth is not measurable here ({link_reason})" if link_reason else
                 f"the overlap efficiency is not measurable here ({overlap_reason})")
-        reason = (f"C={DEFAULT_C}, the default: {what}; experts {expert_s * 1e3:.2f} ms/fwd, alpha "
-                  f"{alpha * 1e6:.0f} us, {nbytes / 1e6:.2f} MB per a2a")
+        latency = (f"median probe {alpha * 1e6:.0f} us" if link_reason else f"alpha {alpha * 1e6:.0f} us")
+        reason = (f"C={DEFAULT_C}, the default: {what}; experts {expert_s * 1e3:.2f} ms/fwd, {latency}, "
+                  f"{nbytes / 1e6:.2f} MB per a2a")
         return PipelinePlan(num_chunks=DEFAULT_C, alpha_s=alpha, beta_bytes_per_s=beta, expert_s=expert_s,
                             kappa_s=kappa, overlap_efficiency=None if overlap_reason or link_reason else overlap,
                             bytes_per_a2a=int(nbytes), reason=reason, link_measured=not link_reason,

@@ -19,7 +19,8 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 
 from moe_comm import ops
-from moe_comm._checks import check_bool, check_choice, check_float, check_int, check_tensor, graph_break
+from moe_comm._checks import (check_bool, check_choice, check_float, check_int, check_tensor, graph_break,
+                              graph_breaks_applied)
 from moe_comm.comm.agree import agree
 from moe_comm.comm.channel import Channel, next_index
 from moe_comm.comm.collectives import group_device, group_rank, group_size, resolve_group
@@ -137,6 +138,7 @@ class Dispatcher(CallControl):
                  max_tokens_per_rank: Optional[int] = None, dedup: bool = False,
                  dispatch_dtype: Optional[torch.dtype] = None, dispatch_scales: str = "fp32", summed_words: int = 0,
                  ranks_per_node=None):
+        graph_breaks_applied()
         self.group = resolve_group(ep_group, name="Dispatcher: ep_group", allow_single_process=allow_single_process)
         self.world_size = group_size(self.group)
         self.rank = group_rank(self.group)

@@ -259,13 +259,15 @@ def _schedule(run: _Run, src: Tuple[torch.Tensor, ...], out: Tuple[torch.Tensor,
 
     # Once the last rows are on their way back, this rank's outcome of the phase is known: a transfer's own
     # send-side failure is recorded when it is issued (InFlight.error), and waiting for rows that go back adds
-    # no work that can fail (no receive-side regroup) - only a CollectiveError, which poisons the group. So the
-    # end-of-phase exchange goes out now and travels while the last transfers complete (one round trip less
-    # on the phase's path); any other kind of transfer is waited for first.
+    # no work that can fail (no receive-side regroup) - only a CollectiveError, which poisons the group. So with
+    # a deferred read the end-of-phase exchange goes out now and travels while the last transfers complete (one
+    # round trip less on the phase's path). Not with an eager read: a rank whose wait then times out (gloo) would
+    # already have told its peers "no failure", and they would return from the call it raised in.
     for c, flights in enumerate(back):
         for f, _ in flights:
             failure.note(c, getattr(f, "error", None))
-    early = all(type(f) is InFlight and f.regroup is None for flights in back for f, _ in flights)
+    early = (d.sync_free or d.end_check == "deferred") and all(
+        type(f) is InFlight and f.regroup is None for flights in back for f, _ in flights)
     if not early:
         wait_back()
     run.closing = failure.close(d, end, handle, meanwhile=wait_back if early else None)

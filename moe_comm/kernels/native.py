@@ -162,6 +162,8 @@ def _extension() -> Optional[ModuleType]:
             module = _load_built(name, build_dir)
         except (ImportError, OSError):  # a damaged build: unmarked (no process loads it meanwhile), built again
             (build_dir / BUILT_MARK).unlink(missing_ok=True)
+            # ninja would find the damaged library newer than its objects and do nothing: it goes too
+            (build_dir / f"{name}{_LIB_EXT}").unlink(missing_ok=True)
             module = None
         if module is None:
             module = _build(name, build_dir, sources)

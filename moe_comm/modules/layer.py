@@ -78,6 +78,9 @@ def _resolve_dp_group(ep_group, dp_group) -> Optional[dist.ProcessGroup]:
     return resolve_group(dp_group, dim="dp", name="MoELayer: dp_group")
 
 
+SUMMED_IN_EXCHANGE_WORDS = 4096  # W x (2E + 2) int64 words: 32 KiB per exchange and rank at most
+
+
 class MoELayer(LayerLoad, nn.Module):
     """A Mixture-of-Experts feed-forward layer with expert parallelism.
 
@@ -196,8 +199,11 @@ class MoELayer(LayerLoad, nn.Module):
         # Sync-free mode: the load statistics travel in the forward's control exchange (no all_reduce of their
         # own), so every phase is the same four fixed-size collectives: a rank that skipped a backward can be
         # realigned (``sync_free.placeholder_backward``) instead of pairing an all_reduce with an all-to-all.
-        # Every mode (W > 1): the counts travel in the forward's control exchange, one collective less per forward.
-        counts_in_exchange = W > 1 and (self.monitor is not None or self.bias_update_rate > 0)
+        # Other modes: in the exchange too (one collective less per forward) while that adds at most
+        # SUMMED_IN_EXCHANGE_WORDS per rank to each of a step's four exchanges (every exchange of a Dispatcher has
+        # one size); above (e.g. E = 256 at W = 64: 263 KB per exchange) the monitor's own all_reduce is cheaper.
+        counts_in_exchange = W > 1 and (self.monitor is not None or self.bias_update_rate > 0) and (
+            cfg.max_tokens_per_rank is not None or W * (2 * cfg.num_experts + 2) <= SUMMED_IN_EXCHANGE_WORDS)
         self.dispatcher = Dispatcher(cfg.num_experts, self.ep_group, cfg.num_chunks, backend=backend,
                                      strict=strict, timeout=timeout, end_check=end_check,
                                      allow_single_process=allow_single_process,

@@ -319,3 +319,51 @@ def test_double_backward_and_second_backward_raise():
     y2 = layer(x).square().sum()
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(y2, x, create_graph=True)
+
+
+def _slow_last_chunk_rank(rank, world_size, init_file, q):
+    """Rank 1's experts take longer than the timeout on the last chunk: rank 0 times out waiting for its rows
+    after the last transfer went out. No rank may return a value from that call (eager end check)."""
+    import datetime
+
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=60))
+    d = moe_comm.Dispatcher(num_experts=2 * world_size, timeout=1.0, end_check="eager")
+    x, idx = _good(rank, E=2 * world_size, T=6)
+    calls = []
+
+    def expert_fn(tokens, counts):
+        calls.append(1)
+        if rank == 1 and len(calls) == 2:
+            time.sleep(1.3)
+        return tokens * 2
+
+    try:
+        d(x, idx, torch.ones(idx.shape), expert_fn, num_chunks=2)
+        q.put((rank, "returned"))
+    except Exception as e:  # noqa: BLE001 - the test reads the type
+        q.put((rank, type(e).__name__))
+    q.close()
+    q.join_thread()
+    os._exit(0)
+
+
+@pytest.mark.multirank
+def test_a_rank_timing_out_on_the_last_rows_leaves_no_rank_returning(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_slow_last_chunk_rank, args=(r, 2, str(tmp_path / "store"), q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        while len(got) < 2:
+            rank, outcome = q.get(timeout=60)
+            got[rank] = outcome
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
+    assert got == {0: "CollectiveError", 1: "CollectiveError"}, got
