@@ -115,7 +115,8 @@ class MoELayer(LayerLoad, nn.Module):
             forward (training or eval) records the tokens per LOGICAL expert of the routing, the dropped
             slots and the router scores, summed over the EP group inside the forward's control exchange
             (2E + 2 float64 words; W = 1: nothing to sum): no collective of its own, no host sync (reading
-            the monitor is the sync).
+            the monitor is the sync). Where W x (2E + 2) > SUMMED_IN_EXCHANGE_WORDS (4096; not in the
+            sync-free mode) one async all_reduce of its own instead: the exchange would carry it four times.
         bias_update_rate: aux-loss-free balancing (DeepSeek-V3), 0 (default) disables it. After every
             forward in training mode, ``router.expert_bias`` (added to the scores for top-K selection
             only) moves by ``rate * sign(mean load - load)`` per expert, from the GLOBAL load (tokens per

@@ -3,8 +3,9 @@
 Shapes legend: T tokens, K top-k, E logical experts, W EP world size.
 
 Each training forward counts the tokens per logical expert, summed over EP x DP (the global batch): over EP
-inside the forward's control exchange (``Dispatcher(summed_words=...)``: no collective of its own), then, with
-a DP group, one async all_reduce over it. The monitor records it; the bias step it implies is applied at the
+inside the forward's control exchange (``Dispatcher(summed_words=...)``: no collective of its own; above
+``layer.SUMMED_IN_EXCHANGE_WORDS`` an async all_reduce of its own), then, with a DP group, one async all_reduce
+over it. The monitor records it; the bias step it implies is applied at the
 start of the next forward.
 """
 from __future__ import annotations
