@@ -85,9 +85,7 @@ class GradSums:
         if getattr(compute, "accumulates", False) and all(g is not None for g in sums):
             compute(into=sums)
             return
-        for j, g in enumerate(compute()):
-            if g is not None:
-                sums[j] = g if sums[j] is None else sums[j].add_(g)
+        _add_into(sums, compute())
 
     def flush(self) -> None:
         """Backpropagate the sums into their inputs (accumulating into ``.grad``), once per input; inside
@@ -96,18 +94,22 @@ class GradSums:
         if _held and _held[-1] is not self:  # into the holder's sums: one buffer per weight, whatever the chunks
             held = _held[-1].entries
             for key, (inputs, sums) in entries.items():
-                if key not in held:
+                if key in held:
+                    _add_into(held[key][1], sums)
+                else:
                     held[key] = (inputs, sums)
-                    continue
-                total = held[key][1]
-                for j, g in enumerate(sums):
-                    if g is not None:
-                        total[j] = g if total[j] is None else total[j].add_(g)
             return
         for inputs, sums in entries.values():
             pairs = [(t, g) for t, g in zip(inputs, sums) if g is not None and t.requires_grad]
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+
+
+def _add_into(sums: List[Optional[torch.Tensor]], grads: Sequence[Optional[torch.Tensor]]) -> None:
+    """sums[j] += grads[j] in place (a None sum takes the gradient itself; a None gradient adds nothing)."""
+    for j, g in enumerate(grads):
+        if g is not None:
+            sums[j] = g if sums[j] is None else sums[j].add_(g)
 
 
 @contextlib.contextmanager

@@ -327,7 +327,7 @@ class Channel:
         err = pending.local_error
         # This rank's own error leads the message: not repeated for the ranks that sent the same text (a
         # misuse every rank detects alike, e.g. a DDP wrapper over the experts); equal texts of peers once.
-        own = None if err is None else encode_message(f"{type(err).__name__}: {err}").tolist()
+        own = None if err is None else encode_message(f"{type(err).__name__}: {err}").tolist()  # host sync: none, CPU
         by_text: Dict[Tuple[str, str], List[int]] = {}
         for r in failed:
             chunk = rows[r][Word.CHUNK]

@@ -221,7 +221,7 @@ class NodeLevels:
             dynamic = torch.stack([bad, nonfinite, torch.zeros_like(bad)])
         except (TypeError, ValueError) as err:
             error = err
-        C_agreed = C if isinstance(C, int) and not isinstance(C, bool) and 1 <= C <= d.max_chunks else 1
+        C_agreed = self._agreed(C)
         # whole-group opening exchange: a rejected input raises on every rank before any level moves a row
         self._status(Phase.FORWARD, call, C_agreed, error, row_bytes=row_bytes, dtype=dtype, dynamic=dynamic,
                      summed_X=None if error is not None else summed_X)
@@ -235,7 +235,7 @@ class NodeLevels:
                 raise self.named(err) from err
             error = kept(err)
         error = error or self._late()
-        self._status(Phase.FORWARD_END, call, C, error)
+        self._status(Phase.FORWARD_END, call, C_agreed, error)
         self._record_bytes(x_TH)
         return y_TH if side_fn is None else (y_TH, run.side_out)
 
@@ -243,8 +243,12 @@ class NodeLevels:
         """``Dispatcher.fail``: join the whole group's opening exchange with ``error`` (every rank raises)."""
         d = self.d
         d.channel.call += 1
-        C = d.num_chunks if num_chunks is None else num_chunks
-        self._status(Phase.FORWARD, d.channel.call, C if isinstance(C, int) else 1, error)
+        self._status(Phase.FORWARD, d.channel.call, self._agreed(d.num_chunks if num_chunks is None else num_chunks),
+                     error)
+
+    def _agreed(self, C) -> int:
+        """The chunk count a header carries: C, or 1 for a C this rank rejects (its error says why)."""
+        return C if isinstance(C, int) and not isinstance(C, bool) and 1 <= C <= self.d.max_chunks else 1
 
     def node_fn(self, expert_fn):
         """The rail's expert function: a node's rows with their slots' node-local expert ids and weights ->
@@ -256,42 +260,35 @@ class NodeLevels:
             late, inner.channel.late = inner.channel.late, None
             if late is not None:  # raised into the rail's schedule: it goes to every rank in the closing exchange
                 raise late[0]
-            self._count_intra(rows_RH)
+            sent = _to_others(inner, self.local)
+            self._intra = [a + b for a, b in zip(self._intra, sent[:2])]
             return y_RH
 
-        def fail(err: BaseException) -> None:  # this rank failed before its node's call: join it with the error
-            inner.fail(err)
-
         experts_of_node.takes_slot_rows = True
-        experts_of_node.fail = fail
+        experts_of_node.fail = inner.fail  # this rank failed before its node's call: joins it with the error
         return experts_of_node
 
     # ------------------------------------------------------------------ bytes by link
-    def _count_intra(self, rows_RH) -> None:
-        b = self.inner.last_bytes
-        rows = getattr(self.inner, "last_rows_W", None)
-        if not b or rows is None:
-            return
-        others = sum(n for w, n in enumerate(rows) if w != self.local)
-        total = max(sum(rows), 1)
-        self._intra[0] += b["dispatch_wire"] * others // total
-        self._intra[1] += b["combine_wire"] * others // total
-
     def _record_bytes(self, x_TH) -> None:
-        d, rail = self.d, self.rail
-        b, rows = dict(rail.last_bytes), getattr(rail, "last_rows_W", None)
-        if not b or rows is None:
+        b = self.rail.last_bytes
+        if not b:
             return
-        others = sum(n for w, n in enumerate(rows) if w != self.node)
-        total = max(sum(rows), 1)
-        d.last_bytes = dict(
+        inter_dispatch, inter_combine, rows_inter = _to_others(self.rail, self.node)
+        self.d.last_bytes = dict(
             dispatch_logical=b["dispatch_logical"], combine_logical=b["combine_logical"],
             dispatch_wire=b["dispatch_wire"] + self._intra[0], combine_wire=b["combine_wire"] + self._intra[1],
-            dispatch_wire_inter=b["dispatch_wire"] * others // total,
-            combine_wire_inter=b["combine_wire"] * others // total,
+            dispatch_wire_inter=inter_dispatch, combine_wire_inter=inter_combine,
             dispatch_wire_intra=self._intra[0], combine_wire_intra=self._intra[1],
-            rows_inter=others, tokens=x_TH.shape[0])
-        self._intra = [0, 0]
+            rows_inter=rows_inter, tokens=x_TH.shape[0])
+
+
+def _to_others(level, me: int) -> Tuple[int, int, int]:
+    """(dispatch wire bytes, combine wire bytes, rows) of a level Dispatcher's last call that went to ranks other
+    than ``me`` (its rows to itself are a local copy); every row of a call has the same wire width."""
+    b, rows = level.last_bytes, level.last_rows_W
+    others = sum(n for w, n in enumerate(rows) if w != me)
+    total = max(sum(rows), 1)
+    return b["dispatch_wire"] * others // total, b["combine_wire"] * others // total, others
 
 
 class _Run:

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+
 import moe_comm.ops
 from moe_comm.dispatch import control as _control
 from moe_comm.dispatch import send_rows, sync_free
 from moe_comm.dispatch.transport import AllToAll
 
-__all__ = ["KINDS", "inject", "injected"]
+__all__ = ["KINDS", "inject", "injected", "raise_in_backward"]
 
 KINDS = ("permute", "quantize", "piece", "send_regroup", "recv_buffer", "plan", "unpermute", "sf_permute",
          "sf_regroup")
@@ -29,6 +31,21 @@ KINDS = ("permute", "quantize", "piece", "send_regroup", "recv_buffer", "plan", 
 
 def injected(what: str) -> RuntimeError:
     return RuntimeError(f"injected {what} fault")
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise injected("expert backward")
+
+
+def raise_in_backward(t: torch.Tensor) -> torch.Tensor:
+    """``t`` unchanged in the forward; its backward raises ``injected("expert backward")`` (wrap an expert output)."""
+    return _RaiseInBackward.apply(t)
 
 
 @contextlib.contextmanager

@@ -124,12 +124,12 @@ def _missing_requirements() -> List[str]:
     return missing
 
 
-def _require() -> Tuple[str, str]:
+def _require(what: str = "slow-link emulation") -> Tuple[str, str]:
+    """The paths of ``ip`` and ``tc``; RuntimeError saying what ``what`` needs when anything is missing."""
     missing = _missing_requirements()
-    if missing:
-        raise RuntimeError("slow-link emulation needs " + "; ".join(missing))
     ip, tc = _tools()
-    assert ip is not None and tc is not None
+    if missing or ip is None or tc is None:
+        raise RuntimeError(f"{what} needs " + "; ".join(missing))
     return ip, tc
 
 
@@ -259,11 +259,10 @@ def link_available() -> Tuple[bool, str]:
     """(True, "") when a shaped namespace can be made here, else (False, why). Besides root and the
     tools, it really creates, shapes and deletes a namespace, since a container can be root yet lack
     CAP_SYS_ADMIN or the htb qdisc."""
-    missing = _missing_requirements()
-    if missing:
-        return False, "slow-link emulation needs " + "; ".join(missing)
-    ip, tc = _tools()
-    assert ip is not None and tc is not None
+    try:
+        ip, tc = _require()
+    except RuntimeError as err:
+        return False, str(err)
     name = f"moecomm-probe-{os.getpid()}-{secrets.token_hex(3)}"
     try:
         _add_namespace(ip, name)
@@ -637,11 +636,10 @@ def cluster_available() -> Tuple[bool, str]:
     """(True, "") when an emulated cluster can be made here, else (False, why): root and the tools, then it
     really builds and deletes a two-node cluster (namespaces, bridge, veth pairs, htb), as a container can be
     root yet lack one of them."""
-    missing = _missing_requirements()
-    if missing:
-        return False, "the emulated cluster needs " + "; ".join(missing)
-    ip, tc = _tools()
-    assert ip is not None and tc is not None
+    try:
+        ip, tc = _require("the emulated cluster")
+    except RuntimeError as err:
+        return False, str(err)
     made: List[str] = []
     try:
         _build_cluster(ip, tc, f"mcc-probe-{os.getpid()}-{secrets.token_hex(3)}", 2, 10**9, None, made)

@@ -18,7 +18,7 @@ import moe_comm
 from moe_comm import ops
 from moe_comm.kernels import native
 
-H = 10
+from tanh_oracle import H, data as _data, dense as _dense, experts as _experts  # tests/tanh_oracle.py
 
 
 def _pairs(idx, E, W):
@@ -106,30 +106,6 @@ def test_dedup_argument_checks():
     with pytest.raises(ValueError, match="MoEConfig.dedup"):
         moe_comm.MoEConfig(hidden_size=8, ffn_hidden_size=8, num_experts=4, top_k=2, dedup=True,
                            max_tokens_per_rank=4)
-
-
-def _data(rank, E, K, T, drop, seed=5):
-    g = torch.Generator().manual_seed(seed * 31 + rank)
-    x = torch.randn(T, H, generator=g, dtype=torch.float64)
-    idx = torch.rand(T, E, generator=g).argsort(1)[:, :K]
-    if drop and T:
-        idx[torch.rand(T, K, generator=g) < 0.25] = -1
-    return x, idx, torch.rand(T, K, generator=g, dtype=torch.float64)
-
-
-def _experts(E, seed=3):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(E, H, H, generator=g, dtype=torch.float64) * H ** -0.5
-
-
-def _dense(x, idx, w, W_full):
-    """y[t] = sum_k w[t, k] tanh(x[t] @ W_full[idx[t, k]]) with float64 autograd: the oracle."""
-    y = torch.zeros_like(x)
-    for k in range(idx.shape[1]):
-        valid = idx[:, k] >= 0
-        out = torch.tanh(torch.einsum("th,thf->tf", x, W_full[idx[:, k].clamp(min=0)]))
-        y = y + torch.where(valid[:, None], w[:, k:k + 1] * out, torch.zeros_like(out))
-    return y
 
 
 def _runs(chunk_counts):

@@ -14,18 +14,9 @@ import pytest
 import torch
 
 import moe_comm
+from moe_comm.testing.faults import raise_in_backward
 
 H, F, C = 8, 16, 2
-
-
-class _RaiseInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t):
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, g):
-        raise RuntimeError("injected expert backward fault")
 
 
 def _layer(world_size, end_check):
@@ -40,7 +31,7 @@ def _fail_backward_at_chunk(layer, chunk):
     def forward(*args, **kwargs):
         out = original(*args, **kwargs)
         seen[0] += 1
-        return _RaiseInBackward.apply(out) if seen[0] == chunk + 1 else out
+        return raise_in_backward(out) if seen[0] == chunk + 1 else out
     layer.experts.forward = forward
     return lambda: delattr(layer.experts, "forward")
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import moe_comm
+from moe_comm.testing.faults import raise_in_backward
 
 H, F, E, K = 8, 16, 8, 3
 
@@ -68,22 +69,12 @@ def test_two_levels_equal_flat(ranks, dtype, tol, extra):
             assert b["dispatch_wire_inter"] + b["dispatch_wire_intra"] <= b["dispatch_wire"]
 
 
-class _RaiseInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t):
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, g):
-        raise RuntimeError("injected expert backward fault")
-
-
 def _rank_failed_backward(rank, world_size):
     layer = moe_comm.MoELayer(_cfg(num_chunks=2, ranks_per_node=2), seed=4, timeout=30.0, monitor=False)
     x = torch.randn(12, H, generator=torch.Generator().manual_seed(rank), requires_grad=True)
     if rank == 3:
         original = layer.experts.forward
-        layer.experts.forward = lambda *a, **k: _RaiseInBackward.apply(original(*a, **k))
+        layer.experts.forward = lambda *a, **k: raise_in_backward(original(*a, **k))
     error = None
     try:
         layer(x).sum().backward()
