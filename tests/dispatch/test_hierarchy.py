@@ -35,9 +35,25 @@ def _rel(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
-def _rank_exact(rank, world_size, L, E, K, tokens, chunk_counts):
-    T, e = tokens[rank], E // world_size
+def _node_limited(idx, E, nodes, seed):
+    """The same number of slots per token, every token's experts on one node (its first slot's, or a random one)."""
+    g = torch.Generator().manual_seed(seed)
+    per_node = E // nodes
+    node_T = torch.randint(0, nodes, (idx.shape[0],), generator=g)
+    pick = torch.rand(idx.shape[0], per_node, generator=g).argsort(1)[:, :idx.shape[1]]
+    return torch.where(idx >= 0, node_T[:, None] * per_node + pick, idx)
+
+
+def _routing(rank, world_size, L, E, K, T, node_limited):
     x, idx, w = _data(rank, E, K, T, drop=True)
+    if node_limited:
+        idx = _node_limited(idx, E, world_size // L, seed=99 + rank)
+    return x, idx, w
+
+
+def _rank_exact(rank, world_size, L, E, K, tokens, chunk_counts, node_limited=False):
+    T, e = tokens[rank], E // world_size
+    x, idx, w = _routing(rank, world_size, L, E, K, T, node_limited)
     W_full = _experts(E)
     xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
     W_ref = W_full.clone().requires_grad_(True)
@@ -61,13 +77,14 @@ def _rank_exact(rank, world_size, L, E, K, tokens, chunk_counts):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("world_size,L,E,K,tokens", [
-    (4, 2, 8, 4, [11, 6, 0, 13]),
-    (8, 4, 16, 4, [7, 3, 5, 0, 9, 4, 6, 2]),
+@pytest.mark.parametrize("world_size,L,E,K,tokens,node_limited", [
+    (4, 2, 8, 4, [11, 6, 0, 13], False),
+    (8, 4, 16, 4, [7, 3, 5, 0, 9, 4, 6, 2], False),
+    (8, 4, 16, 4, [7, 3, 5, 0, 9, 4, 6, 2], True),  # every token's experts on one node
 ])
-def test_two_levels_match_dense_reference(ranks, world_size, L, E, K, tokens):
+def test_two_levels_match_dense_reference(ranks, world_size, L, E, K, tokens, node_limited):
     chunk_counts = [1, 4]
-    per_rank = ranks(world_size).run(_rank_exact, L, E, K, tokens, chunk_counts)
+    per_rank = ranks(world_size).run(_rank_exact, L, E, K, tokens, chunk_counts, node_limited)
     for rank, res in enumerate(per_rank):
         y_ref, x_ref, w_ref, _ = res["ref"]
         for C in chunk_counts:
@@ -81,18 +98,20 @@ def test_two_levels_match_dense_reference(ranks, world_size, L, E, K, tokens):
             assert b["dispatch_wire_inter"] == res["remote_nodes"] * (H * 8 + 2 * K * 8)
             assert b["combine_wire_inter"] == res["remote_nodes"] * H * 8
     # each rank's expert gradients equal the reference's (summed over all ranks' tokens)
-    ref_sum = _reference_expert_grads(world_size, E, K, tokens)
+    if node_limited:  # at most one row per token crosses
+        assert all(res[C][4]["rows_inter"] <= tokens[r] for r, res in enumerate(per_rank) for C in chunk_counts)
+    ref_sum = _reference_expert_grads(world_size, L, E, K, tokens, node_limited)
     for rank, res in enumerate(per_rank):
         for C in chunk_counts:
             assert _rel(res[C][3], ref_sum[rank]) <= 1e-12, (rank, C)
 
 
-def _reference_expert_grads(world_size, E, K, tokens):
+def _reference_expert_grads(world_size, L, E, K, tokens, node_limited):
     """Every rank's tokens through the dense reference: the gradient of each rank's expert block."""
     W_full = _experts(E).requires_grad_(True)
     scale = torch.arange(1, H + 1, dtype=torch.float64)
     for rank in range(world_size):
-        x, idx, w = _data(rank, E, K, tokens[rank], drop=True)
+        x, idx, w = _routing(rank, world_size, L, E, K, tokens[rank], node_limited)
         (_dense(x, idx, w, W_full) * scale).sum().backward()
     e = E // world_size
     return [W_full.grad[r * e:(r + 1) * e] for r in range(world_size)]

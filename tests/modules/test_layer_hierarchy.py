@@ -1,7 +1,7 @@
 """MoELayer with two-level dispatch (``MoEConfig(ranks_per_node=)``), tier 2 (gloo ranks; nodes are rank blocks).
 
-- The same layer flat and with ranks_per_node=2 (same seed: same weights): output, input, router and expert
-  gradients agree (float64: 1e-12; fp32: 1e-5), C = 1 and 2; with node-limited routing (num_groups = nodes,
+- The same layer flat and two-level, 2 x 2 and 2 x 4 ranks (same seed: same weights): output, input, router and
+  expert gradients agree (float64: 1e-12; fp32: 1e-5), C = 1 and 4; with node-limited routing (num_groups = nodes,
   topk_groups = 1) every token's experts lie on one node and at most one row per token crosses; FP8 dispatch
   equals flat FP8 to 1e-5.
 - An expert backward failing on one rank: every rank raises in ``backward()`` and no rank holds a partial
@@ -32,14 +32,14 @@ def _step(layer, x):
     return y.detach(), x.grad, grads, dict(layer.dispatcher.last_bytes), load
 
 
-def _rank_compare(rank, world_size, dtype, extra):
+def _rank_compare(rank, world_size, L, dtype, extra):
     x = torch.randn(9 + 3 * rank, H, generator=torch.Generator().manual_seed(rank), dtype=dtype)
     out = {}
-    for C in (1, 2):
+    for C in (1, 4):
         flat_extra = {k: v for k, v in extra.items() if k != "node_limited"}  # the same group-limited routing
         flat = moe_comm.MoELayer(_cfg(num_chunks=C, **flat_extra), seed=7, dtype=dtype)
-        two = moe_comm.MoELayer(_cfg(num_chunks=C, ranks_per_node=2, **extra), seed=7, dtype=dtype)
-        assert two.dispatcher.ranks_per_node == 2
+        two = moe_comm.MoELayer(_cfg(num_chunks=C, ranks_per_node=L, **extra), seed=7, dtype=dtype)
+        assert two.dispatcher.ranks_per_node == L
         out[C] = (_step(flat, x), _step(two, x))
     return out
 
@@ -49,14 +49,16 @@ def _rel(a, b):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("dtype,tol,extra", [
-    (torch.float64, 1e-12, {}),
-    (torch.float32, 1e-5, {}),
-    (torch.float64, 1e-12, dict(num_groups=2, topk_groups=1, node_limited=True)),
-    (torch.float32, 1e-5, dict(dispatch_dtype=torch.float8_e4m3fn)),
+@pytest.mark.parametrize("world_size,L,dtype,tol,extra", [
+    (4, 2, torch.float64, 1e-12, {}),
+    (4, 2, torch.float32, 1e-5, {}),
+    (4, 2, torch.float64, 1e-12, dict(num_groups=2, topk_groups=1, node_limited=True)),
+    (4, 2, torch.float32, 1e-5, dict(dispatch_dtype=torch.float8_e4m3fn)),
+    (8, 4, torch.float64, 1e-12, dict(num_groups=2, topk_groups=1, node_limited=True)),  # 2 nodes x 4 ranks
+    (8, 4, torch.float32, 1e-5, dict(dispatch_dtype=torch.float8_e4m3fn)),
 ])
-def test_two_levels_equal_flat(ranks, dtype, tol, extra):
-    for rank, res in enumerate(ranks(4).run(_rank_compare, dtype, extra)):
+def test_two_levels_equal_flat(ranks, world_size, L, dtype, tol, extra):
+    for rank, res in enumerate(ranks(world_size).run(_rank_compare, L, dtype, extra)):
         for C, ((y, xg, grads, _, load), (y2, xg2, grads2, b, load2)) in res.items():
             assert repr(load) == repr(load2), (rank, C)  # the monitor saw the same global load
             assert _rel(y2, y) <= tol, (rank, C)
