@@ -25,6 +25,7 @@ from moe_comm.comm.wire import (HEADER_WORDS, MAGIC, MESSAGE_WORDS, PHASE_TEXT, 
 __all__ = ["Channel", "Pending", "PeerFailed", "next_index", "MAX_DEFERRED", "read_deferred", "kept"]
 
 EARLIER = -2  # Word.CHUNK of a failure carried from an earlier call (after that call's last exchange)
+IN_LEVEL = -3  # Word.CHUNK of a failure inside a level of a two-level call (dispatch.hierarchy), reported at its close
 MAX_DEFERRED = 64  # unread exchanges a Channel keeps; older ones are checked on the device (Channel.defer)
 
 def next_index(group: Optional[dist.ProcessGroup]) -> int:
@@ -332,6 +333,7 @@ class Channel:
         for r in failed:
             chunk = rows[r][Word.CHUNK]
             where = ("after its call's last exchange, carried here" if chunk == EARLIER else
+                     "inside a level of the call" if chunk == IN_LEVEL else
                      "before any rows moved" if chunk < 0 else f"at chunk {chunk}")
             words = rows[r][HEADER_WORDS:HEADER_WORDS + MESSAGE_WORDS]
             msg = "this same error" if words == own else decode_message(words)

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from moe_comm import _wgrad
 from moe_comm._checks import check_int
 from moe_comm.comm.agree import RemoteError
-from moe_comm.comm.channel import PeerFailed, as_collective_error, kept
+from moe_comm.comm.channel import IN_LEVEL, PeerFailed, as_collective_error, kept
 from moe_comm.comm.collectives import poison
 from moe_comm.comm.wire import Failure, Phase, Word, dtype_code
 from moe_comm.dispatch.workspace import Workspace
@@ -170,7 +170,7 @@ class NodeLevels:
         d = self.d
         own = None if error is None or _relayed(error) else error
         hdr = d._header(phase, call, C, row_bytes, dtype)
-        hdr[Word.CHUNK] = -1
+        hdr[Word.CHUNK] = -1 if phase in (Phase.FORWARD, Phase.BACKWARD) else IN_LEVEL  # the opening: before rows
         failed = Failure.NONE if own is None else (
             Failure.REJECTED if phase == Phase.FORWARD and isinstance(own, (TypeError, ValueError)) else Failure.RAISED)
         with d.workspace.dropped_on_error():
