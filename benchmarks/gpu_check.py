@@ -864,9 +864,10 @@ def sync_layer(ctx: Ctx, num_chunks: int = 2, **opts):
 
 def fwd_bwd_syncs(layer, x, how: str, pageable: Optional[List[str]] = None) -> Tuple[List[str], List[str]]:
     """Host syncs of one forward and of its backward (the loss between them is counted in neither); pageable
-    host -> device copies into ``pageable`` when given (see count_syncs)."""
+    host -> device copies into ``pageable`` when given (see count_syncs). ``layer``: a MoELayer or a
+    Sequential of them."""
     y, fwd = count_syncs(lambda: layer(x), how, pageable)
-    loss = y.float().square().mean() + layer.aux_loss
+    loss = y.float().square().mean() + sum(m.aux_loss for m in layer.modules() if hasattr(m, "aux_loss"))
     _, bwd = count_syncs(loss.backward, how, pageable)
     return fwd, bwd
 
@@ -1358,10 +1359,16 @@ def nccl_ranks_rank(rank: int, world: int, init_file: str, dry: bool, seed: int)
         run_layer(layer, x_TH, gy)  # warm-up
         got = run_layer(layer, x_TH, gy)
         out.update({k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in got.items()})
-        out["syncs"], pageable = {}, []
+        out["syncs"], out["stack_syncs"], pageable = {}, {}, []
+        # a stack of STACK_DEPTH layers: one read per forward, one per backward pass (its first check-in)
+        stack = torch.nn.Sequential(layer, *(moe_comm.MoELayer(cfg, seed=2 + i, device=dev, dtype=torch.float32,
+                                                                backend=kernels, end_check="deferred")
+                                             for i in range(STACK_DEPTH - 1)))
+        stack(x_TH.clone().requires_grad_(True)).float().square().mean().backward()  # warm-up
         for how in ([] if dry else ["cuda"]) + (["hostsyncs"] if host_syncs_class() is not None else []):
             out["syncs"][how] = fwd_bwd_syncs(layer, x_TH.clone().requires_grad_(True), how,
                                               pageable if how == "hostsyncs" else None)
+            out["stack_syncs"][how] = fwd_bwd_syncs(stack, x_TH.clone().requires_grad_(True), how)
         out["pageable"] = pageable
         if pageable and not dry:
             out["pageable_blocks"] = pageable_copy_blocks(dev)
@@ -1373,12 +1380,14 @@ def nccl_ranks_rank(rank: int, world: int, init_file: str, dry: bool, seed: int)
 
 
 NCCL_RANKS_SEED = 950
+STACK_DEPTH = 3  # layers of the stack whose backward pass reads once (end_check="deferred")
 
 
 @section("nccl_ranks", needs_s=30)
 def sec_nccl_ranks(ctx: Ctx, rec: Record) -> None:
     """W = N NCCL ranks, one GPU each (--nccl-ranks N, default 2): uneven all_to_all_single, MoELayer vs the dense
-    reference (forward, aux loss, gradients), host syncs per rank (forward 1, backward 1), a mid-call failure
+    reference (forward, aux loss, gradients), host syncs per rank (forward 1, backward 1; a stack of 3 layers:
+    forward 3, backward 1), a mid-call failure
     raised on every rank (eager and deferred) with the group usable after it. The dry run: N gloo ranks on CPU,
     only when --nccl-ranks is given."""
     import torch.multiprocessing as mp
@@ -1422,6 +1431,9 @@ def sec_nccl_ranks(ctx: Ctx, rec: Record) -> None:
             fwd, bwd = res["syncs"][how]
             rec.check(f"rank {r} {counter}: forward 1, backward 1", (len(fwd), len(bwd)) == (1, 1),
                       f"forward {fwd}, backward {bwd}")
+            fwd, bwd = res["stack_syncs"][how]
+            rec.check(f"rank {r} {counter}, {STACK_DEPTH} layers: forward {STACK_DEPTH}, backward 1",
+                      (len(fwd), len(bwd)) == (STACK_DEPTH, 1), f"forward {fwd}, backward {bwd}")
     if host_syncs_class() is None:
         rec.not_covered("HostSyncs", "moe_comm.testing.syncs missing")
     if ctx.dry:

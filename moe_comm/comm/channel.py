@@ -13,12 +13,13 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from moe_comm.comm.agree import RemoteError, agreements, disagreement, with_context
-from moe_comm.comm.collectives import (REBUILD, CollectiveError, check_usable, group_device, group_rank, group_size,
-                                       issuing, poison, record_arrival, wait_work)
+from moe_comm.comm.collectives import (REBUILD, CollectiveError, GroupTable, check_usable, group_device, group_rank,
+                                       group_size, issuing, poison, record_arrival, wait_work)
 from moe_comm.comm.wire import (HEADER_WORDS, MAGIC, MESSAGE_WORDS, PHASE_TEXT, Failure, Phase, ProtocolError, Word,
                                 decode_message, describe_position, dtype_name, encode_message, positions, step_text)
 
@@ -55,6 +56,20 @@ class Pending:
     call: int
     start: object = None
     waited: bool = False
+    read: int = HEADER_WORDS + MESSAGE_WORDS  # the words of each row the host reads: header, message, used slots
+
+
+class _GroupReads:
+    """What the first backward check-in after a forward reads on one group (end_check="deferred"): the channels
+    that issued an exchange since the last such read (held until it; ``Channel.reads_with_group``), and whether
+    a forward opened since (``Channel.opens_backward``)."""
+
+    def __init__(self):
+        self.active: List["Channel"] = []
+        self.fresh = False
+
+
+_READS = GroupTable()  # group -> _GroupReads
 
 
 class Channel:
@@ -89,6 +104,8 @@ class Channel:
         # ``resync`` to issue a placeholder backward, so every rank's collectives pair again. Set by the owner.
         self.resync: Optional[Callable[[], None]] = None
         self._owed = False
+        self.last_read_words = 0  # int64 words the last read brought to the host (all its exchanges)
+        self.reads_with_group = False  # end_check="deferred" (set by the owner): see read_group
 
     def carry(self, error: BaseException, where: str) -> None:
         """Send ``error`` (this rank's alone, in ``where``, after that call's last exchange) with this rank's next
@@ -105,6 +122,11 @@ class Channel:
         check_usable(self.group, self.rank)
         W, dev = self.world, self.device
         hdr = list(hdr)
+        if self.reads_with_group:
+            reads = self.group_reads
+            reads.fresh = reads.fresh or phase in (Phase.FORWARD, Phase.DISPATCH)
+            if all(c is not self for c in reads.active):
+                reads.active.append(self)
         message = None if local_error is None else f"{type(local_error).__name__}: {local_error}"
         if self.late is not None:  # this exchange carries it (with this rank's own failure, if any, first)
             (late, where), self.late = self.late, None
@@ -135,25 +157,58 @@ class Channel:
             send_WX[:, self.width - self.summed:] = summed_X.to(dev, torch.float64).contiguous().view(torch.int64)
         where = f"{PHASE_TEXT[phase]} of call {hdr[Word.CALL]} (dispatcher {self.index})"
         pending_start = self.timeline.mark() if self.timeline is not None else None
+        # the host reads the slots this call used (C x its words per chunk), not the whole counts area
+        read = HEADER_WORDS + MESSAGE_WORDS + (0 if slots_WS is None else slots_WS.shape[1])
         if W == 1:
-            return Pending(phase, send_WX, send_WX, None, where, local_error, failed, hdr[Word.CALL], pending_start)
+            return Pending(phase, send_WX, send_WX, None, where, local_error, failed, hdr[Word.CALL], pending_start,
+                           read=read)
         record_arrival(self.group, where)
         recv_WX = torch.empty_like(send_WX)
         with issuing(self.group, f"{PHASE_TEXT[phase]} control exchange", self.rank):
             work = dist.all_to_all_single(recv_WX, send_WX, group=self.group, async_op=True)
-        return Pending(phase, send_WX, recv_WX, work, where, local_error, failed, hdr[Word.CALL], pending_start)
+        return Pending(phase, send_WX, recv_WX, work, where, local_error, failed, hdr[Word.CALL], pending_start,
+                       read=read)
 
-    def end(self, pending: Optional[Pending]) -> Tuple[List[List[int]], List[List[int]]]:
-        """Wait for the exchange and check it. Returns (sent, received) rows as host ints: sent[w] is what
-        this rank sent to rank w, received[w] what rank w sent here (header, message, slots). Raises on
-        every rank alike (see ``_check``). Deferred end-of-phase exchanges are waited for and checked first,
-        in the same host read. ``pending`` None: only the deferred ones."""
+    def end(self, pending: Optional[Pending]) -> Tuple[np.ndarray, np.ndarray]:
+        """Wait for the exchange and check it. Returns (sent, received): int64 host arrays [W, pending.read], row w
+        of sent what this rank sent to rank w, row w of received what rank w sent here (header, message, the
+        slots this call used). Raises on every rank alike (see ``_check``). Deferred end-of-phase exchanges are
+        waited for and checked first, in the same host read. ``pending`` None: only the deferred ones."""
         taken = self._take(pending)
-        values = torch.cat(taken[2]).tolist() if taken[2] else []  # host sync: the phase's one read
+        flat = torch.cat(taken[2]) if taken[2] else torch.zeros(0, dtype=torch.int64)
+        host = flat.cpu()  # host sync: the phase's one read
+        self.last_read_words = host.numel()
         try:
-            return self._verify(taken, values)
+            return self._verify(taken, host.numpy())  # host sync: none, copied to the host above
         finally:
             self.settle()
+
+    @property
+    def group_reads(self) -> _GroupReads:
+        return _READS.setdefault(self.group, _GroupReads())  # looked up, not held: a deep copy shares it too
+
+    def opens_backward(self) -> bool:
+        """Whether a backward check-in now is the first on this group since a forward opened (then no longer):
+        the one read at once, with every deferred exchange of the group (``read_group``)."""
+        reads = self.group_reads
+        fresh, reads.fresh = reads.fresh, False
+        return fresh
+
+    def read_group(self, pending: Pending) -> None:
+        """Read ``pending`` and the deferred exchanges of every channel on this group that issued one since the
+        last such read (in construction order; the same on every rank) in one host read; raises the first
+        failure on every rank alike. Call ``adopt_late`` before issuing ``pending``."""
+        reads = self.group_reads
+        channels, reads.active = reads.active, []
+        if all(c is not self for c in channels):
+            channels.append(self)
+        read_deferred(sorted(channels, key=lambda c: c.index), pending=pending, owner=self)
+
+    def adopt_late(self) -> None:
+        """Carry a failure another channel of the group read holds for its next exchange in this one's next."""
+        for c in self.group_reads.active:
+            if self.late is None and c is not self and c.late is not None:
+                self.late, self.late_call, c.late = c.late, c.late_call, None
 
     def settle(self) -> None:
         """Issue the placeholder backward a read found owed (see ``resync``)."""
@@ -172,18 +227,17 @@ class Channel:
             span = "counts" if pending.phase in (Phase.FORWARD, Phase.DISPATCH) else "control"
             self.timeline.comm(span, None, direction=_direction(pending.phase), start=pending.start)
         folded, self.folded = self.folded, None
-        flat = [t.reshape(-1) for p in todo for t in (p.send_WX, p.recv_WX)]
+        flat = [t[:, :p.read].reshape(-1) for p in todo for t in (p.send_WX, p.recv_WX)]
         if folded is not None:
             flat += [folded[0], folded[1].reshape(1)]
         return pending, earlier, flat, folded
 
-    def _verify(self, taken, values: List[int]) -> Tuple[List[List[int]], List[List[int]]]:
+    def _verify(self, taken, values: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         pending, earlier, _, folded = taken
         todo = earlier + ([] if pending is None else [pending])
         if folded is not None:
-            bad_call = values.pop()
-            bad_W = values[len(values) - self.world:]
-            del values[len(values) - self.world:]
+            bad_call, bad_W = int(values[-1]), values[-1 - self.world:-1].tolist()
+            values = values[:-1 - self.world]
             if bad_call >= 0:
                 first, last = folded[2], folded[3]
                 ranks = [r for r, b in enumerate(bad_W) if b]
@@ -193,21 +247,21 @@ class Channel:
                     f"checked on the device because more than {MAX_DEFERRED} exchanges went unread: their messages are "
                     "lost; read sooner with check()). Every rank raised; the calls since returned placeholder rows on "
                     "every rank: discard their outputs")
-        X, W = self.width, self.world
-        both = [values[i * X:(i + 1) * X] for i in range(len(values) // X)]
-        sent, rows = [], []
+        W, at, both = self.world, 0, []
+        for p in todo:  # each exchange's sent and received rows, p.read words each
+            both.append((values[at:at + W * p.read].reshape(W, p.read),
+                         values[at + W * p.read:at + 2 * W * p.read].reshape(W, p.read)))
+            at += 2 * W * p.read
         for i, p in enumerate(todo):
-            sent, rows = both[2 * i * W:(2 * i + 1) * W], both[(2 * i + 1) * W:(2 * i + 2) * W]
             try:
-                self._check(p, rows, deferred=i < len(earlier))
+                self._check(p, both[i][1][:, :HEADER_WORDS + MESSAGE_WORDS].tolist(), deferred=i < len(earlier))
             except Exception:
                 if i < len(earlier) and pending is not None:
                     # A deferred failure raised at this later exchange: ranks may stand at different calls
                     # here (the failing one left its call early); all continue from the furthest.
-                    last = both[(2 * len(todo) - 1) * W:]
-                    self.call = max([self.call] + [row[Word.CALL] for row in last])
+                    self.call = max(self.call, int(both[-1][1][:, Word.CALL].max()))
                 raise
-        return sent, rows
+        return both[-1] if both else (values[:0].reshape(W, 0), values[:0].reshape(W, 0))
 
     def sum_of(self, pending: Pending) -> torch.Tensor:
         """[summed] float64: the ``summed_X`` every rank sent in exchange ``pending``, summed over the group (a rank
@@ -378,26 +432,30 @@ def as_collective_error(err: BaseException) -> bool:
     return isinstance(err, (CollectiveError, ProtocolError))
 
 
-def read_deferred(channels: List["Channel"]) -> None:
-    """Check the deferred exchanges of several channels with one host read (per device); raises the first
-    failure, in channel order, on every rank alike. Used by ``moe_comm.check``."""
-    taken = [c._take(None) for c in channels]
+def read_deferred(channels: List["Channel"], pending: Optional[Pending] = None, owner: Optional["Channel"] = None
+                  ) -> None:
+    """Check the deferred exchanges of several channels with one host read (per device), and ``pending`` of
+    ``owner`` (one of them) last among its own; raises the first failure, in channel order, on every rank alike.
+    Used by ``moe_comm.check`` and ``Channel.read_group``."""
+    taken = [c._take(pending if c is owner else None) for c in channels]
     by_device: Dict[torch.device, List[torch.Tensor]] = {}
     for t in taken:
         for x in t[2]:
             by_device.setdefault(x.device, []).append(x)
-    values = {dev: torch.cat(xs).tolist() for dev, xs in by_device.items()}  # host sync: one read per device
+    values = {dev: torch.cat(xs).cpu() for dev, xs in by_device.items()}  # host sync: the phase's one read (per device)
+    if owner is not None:
+        owner.last_read_words = sum(v.numel() for v in values.values())
+    at = dict.fromkeys(values, 0)
     first = None
     for c, t in zip(channels, taken):  # every channel is read (each may owe a placeholder backward) ...
         if not t[2]:
             continue
-        vals = values[t[2][0].device]
-        n = sum(x.numel() for x in t[2])
+        dev, n = t[2][0].device, sum(x.numel() for x in t[2])
         try:
-            c._verify(t, vals[:n])
+            c._verify(t, values[dev][at[dev]:at[dev] + n].numpy())  # host sync: none, copied to the host above
         except Exception as err:  # noqa: BLE001 - the first is raised below, on every rank alike
             first = first or err
-        del vals[:n]
+        at[dev] += n
     for c in channels:  # ... then the placeholders go out in channel order, as the peers' phases were issued
         c.settle()
     if first is not None:

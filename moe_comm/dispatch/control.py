@@ -112,57 +112,56 @@ class CallControl:
 
     def _plan(self, pending, sent, rows, layout, C: int, hidden: int, pieces: int, expert_fn,
               regroup: bool = True) -> DispatchHandle:
-        """The chunk plans and transport of a call from its control exchange (host ints). ``regroup`` False: no
-        regroup index (the sizes alone, for a rank that failed after the exchange)."""
+        """The chunk plans and transport of a call from its control exchange (``sent``, ``rows``: int64 host arrays
+        [W, words], see ``Channel.end``). ``regroup`` False: no regroup index (the sizes alone, for a rank that
+        failed after the exchange)."""
         W, e = self.world_size, self.num_local_experts
         base = HEADER_WORDS + MESSAGE_WORDS
         C *= pieces
-
-        def counts(row):
-            return [row[base + c * e:base + (c + 1) * e] for c in range(C)]
-
         rank_rows = layout if isinstance(layout, ops.RankRows) else None
-        row_bytes = rows[0][Word.ROW_BYTES] if self.dispatch_dtype is None else self._wire_width(hidden)
+        row_bytes = int(rows[0, Word.ROW_BYTES]) if self.dispatch_dtype is None else self._wire_width(hidden)
         # the rows' device: a gloo group's exchange is on the CPU while the rows may be on CUDA; every index and count
         # the kernels and the experts read must be where the rows are
         recv_counts_WCe = to_device(pending.recv_WX[:, base:base + C * e].reshape(W, C, e), layout_device(layout))
+        slots_sent_WCe = sent[:, base:base + C * e].reshape(W, C, e)
+        slots_recv_WCe = rows[:, base:base + C * e].reshape(W, C, e)
         if rank_rows is not None:  # one copy per rank: rows per (rank, chunk) after the slots; one all-to-all
-            def rows_of(row):
-                return [[row[base + C * e + c]] for c in range(C)]
-
             layout = rank_rows.layout
-            send_WCe, recv_WCe = [rows_of(r) for r in sent], [rows_of(r) for r in rows]
+            rows_at = slice(base + C * e, base + C * e + C)
+            send_WCe, recv_WCe = sent[:, rows_at, None], rows[:, rows_at, None]
             kind = AllToAll
             chunks = build_chunk_plans(send_WCe, recv_WCe, recv_counts_WCe, regroup=False, call=pending.call,
-                                       recv_slots_WCe=[counts(r) for r in rows])
+                                       recv_slots_WCe=slots_recv_WCe)
             chunks = group_pieces(chunks, pieces)
-            self._stream = send_rows.streams(max(r[Word.ROWS] for r in rows) * row_bytes)
+            self._stream = send_rows.streams(int(rows[:, Word.ROWS].max()) * row_bytes)
         else:
-            send_WCe, recv_WCe = [counts(r) for r in sent], [counts(r) for r in rows]
-            kind = choose(W, e, C, [r[Word.ROWS] for r in rows], row_bytes, self.direct_min_bytes)
+            send_WCe, recv_WCe = slots_sent_WCe, slots_recv_WCe
+            kind = choose(W, e, C, rows[:, Word.ROWS].tolist(), row_bytes, self.direct_min_bytes)
             regroup = regroup and kind.regroups and e > 1
             if regroup and expert_fn is not None:
-                block_rows = sum(sum(sum(x) for x in per_c) for per_c in recv_WCe) / (W * e * C)
+                block_rows = float(recv_WCe.sum()) / (W * e * C)
                 rank_major = rank_major_pays(expert_fn, block_rows, layout.dest_row_TK.device)  # the rows' device
             else:
                 rank_major = False
             chunks = build_chunk_plans(send_WCe, recv_WCe, recv_counts_WCe, regroup=regroup and not rank_major,
                                        call=pending.call, rank_major=rank_major)
-        layout.set_num_rows(sum(sum(sum(x) for x in per_c) for per_c in send_WCe))
+        layout.set_num_rows(int(send_WCe.sum()))
         self.last_transport = kind.name
-        slots = sum(sum(sum(x) for x in counts(r)) for r in sent)
         return DispatchHandle(layout=layout, chunks=chunks, call=pending.call, hidden_size=hidden,
-                              transport=self.transport(kind), owner=id(self), rank_rows=rank_rows, slots_sent=slots)
+                              transport=self.transport(kind), owner=id(self), rank_rows=rank_rows,
+                              slots_sent=int(slots_sent_WCe.sum()))
 
     def _exchange_status(self, phase: Phase, handle: DispatchHandle, error: Optional[BaseException] = None,
                          failed: Failure = Failure.NONE, chunk: int = -1, row_bytes: int = -1, dtype: int = -1,
-                         deferrable: bool = False, meanwhile=None):
+                         deferrable: bool = False, meanwhile=None, read_group: bool = False):
         """A control exchange without counts (end of a phase, combine, a backward): raises on every rank
         when any rank failed or is elsewhere; ``deferrable`` end-of-phase exchanges are only issued when
         ``end_check="deferred"`` (read with the next one); in sync-free mode every one is. One process:
         only this rank's own error. Returns the exchange when its read is deferred, else None.
         ``meanwhile()``: work done while the exchange travels (waiting for the phase's last transfers, whose
-        outcome on this rank is already in it); it may raise only CollectiveError (the group is then poisoned)."""
+        outcome on this rank is already in it); it may raise only CollectiveError (the group is then poisoned).
+        ``read_group`` with end_check="deferred": read every deferred exchange of the group's Dispatchers with this
+        one (and carry this rank's failures held for another Dispatcher's next exchange in it)."""
         if self.world_size == 1:
             if meanwhile is not None:
                 meanwhile()
@@ -171,6 +170,9 @@ class CallControl:
             return
         hdr = self._header(phase, handle.call, len(handle.chunks), row_bytes, dtype)
         hdr[Word.CHUNK] = chunk
+        read_group = read_group and self.channel.reads_with_group
+        if read_group:
+            self.channel.adopt_late()
         with self.workspace.dropped_on_error():
             pending = self.channel.begin(phase, hdr, local_error=error, failed=failed)
             if meanwhile is not None:
@@ -178,7 +180,10 @@ class CallControl:
             if self.sync_free or (deferrable and self.end_check == "deferred"):
                 self.channel.defer(pending)
                 return pending
-            self.channel.end(pending)
+            if read_group:
+                self.channel.read_group(pending)
+            else:
+                self.channel.end(pending)
 
     @contextlib.contextmanager
     def alone(self, where: str):

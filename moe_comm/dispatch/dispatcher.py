@@ -77,8 +77,9 @@ class Dispatcher(CallControl):
         end_check: when the end-of-forward and end-of-backward exchanges of ``__call__`` are read.
             "eager" (default on CPU): at the end of the phase, so a failure mid-call on any rank raises on
             every rank before any returns (one more host read per phase: free on CPU, a sync on CUDA).
-            "deferred" (default on CUDA): with the next read of this Dispatcher (the backward's check-in,
-            or the next call), keeping the forward at one host sync; a failure mid-call then returns
+            "deferred" (default on CUDA): with the next read of this Dispatcher (the backward pass's first
+            check-in, which reads every Dispatcher on the group at once, or the next call), keeping the
+            forward at one host sync and a backward pass at one however deep; a failure mid-call then returns
             placeholder rows on every rank and raises on every rank at that next read (before any gradient
             is produced in training). ``check()`` reads it now.
         max_tokens_per_rank: M, turns on the sync-free mode of ``__call__`` (C = 1): every exchange has a
@@ -227,6 +228,8 @@ class Dispatcher(CallControl):
         self.last_bytes = {}
         self.last_rows_W = []  # rows this rank sent to each rank in its last call (host ints)
         self._stream = False  # one copy per rank: the next C = 1 call moves its rows in pieces (send_rows.pieces)
+        # the backward pass's first check-in reads every such Dispatcher of the group (pipeline backward)
+        self.channel.reads_with_group = self.end_check == "deferred" and not self.sync_free and self.world_size > 1
         if self.sync_free:  # a read that finds this rank skipped a backward issues a placeholder one
             from moe_comm.dispatch.sync_free import placeholder_backward
 

@@ -15,7 +15,7 @@ does not leave the schedule: that rank sends placeholder rows for the chunks lef
 rank agreed on), and the end-of-phase control exchange carries its error to every rank, which all
 raise (``PeerFailed`` on the others, its own error on it): at once with end_check="eager"; with
 "deferred" and in the sync-free mode every rank, the failing one too, returns placeholder rows and all
-raise at their next read (the backward's check-in, the next call, ``check()``), so every rank issues the
+raise at their next read (the backward pass's first check-in, the next call, ``check()``), so every rank issues the
 same collectives meanwhile. A failed or timed-out transfer (CollectiveError) poisons the group instead:
 see ``moe_comm.comm``.
 
@@ -72,6 +72,7 @@ class _Run:
     wire: Optional[torch.Tensor] = None  # the permuted rows [N, B] sent instead of x (x is then x_TH); FP8: packed
     fill: Optional[Callable] = None  # fill(piece plan): permutes a piece's rows of ``wire`` just before it goes
     closing: Optional[object] = None  # the last phase's end exchange when its read is deferred (a channel Pending)
+    checks: List = field(default_factory=list)  # deferred exchanges whose failure flag poisons the backward's grads
 
 
 class _Failure:
@@ -153,9 +154,16 @@ class _PipelinedExperts(torch.autograd.Function):
             error = RuntimeError("moe_comm pipeline: double backward (create_graph=True) is not supported: the "
                                  "experts' gradient is computed by a nested backward")
         # Every rank checks in before gradient rows move: a rank that skipped this backward, or rejects it,
-        # is named on every rank. The sync-free mode defers this read too: a rank that rejects the backward
-        # moves placeholder rows like its peers, and every rank raises at its next read.
-        d._exchange_status(Phase.BACKWARD, run.handle, error, Failure.NONE if error is None else Failure.REJECTED)
+        # is named on every rank. end_check="deferred": only the first check-in after a forward on this group (the
+        # backward pass's first layer) is read, with every deferred exchange of the group's Dispatchers (one host
+        # read: a failure in any layer's forward raises on every rank here); the later ones are read with the next
+        # read, and every gradient of their backward is NaN on every rank when the forward's end, the check-in or
+        # the backward's end shows a failure (a device-side check). The sync-free mode defers every check-in.
+        opening = d.channel.reads_with_group and d.channel.opens_backward()
+        checked = d._exchange_status(Phase.BACKWARD, run.handle, error,
+                                     Failure.NONE if error is None else Failure.REJECTED, deferrable=not opening,
+                                     read_group=opening)
+        run.checks = [checked] if checked is not None and d.channel.reads_with_group else []
         run.backward_done = True
         run.failed = run.failed or kept(error)
         with d.workspace.dropped_on_error():
@@ -387,9 +395,14 @@ def _backward(run: _Run, grad_y_NH: torch.Tensor):
                     failed=run.failed, after=experts_weight_grads)
     run.expert_io = []
     # The weight gradients reach .grad only after the end-of-backward exchange: a failed backward (raised above
-    # on every rank) leaves no partial expert gradient on any rank. Deferred read: every gradient of this phase is
-    # NaN on every rank when any rank failed (a device-side check of that exchange, no host read).
-    poisoned = None if run.closing is None else run.dispatcher.channel.failed_flag(run.closing)
+    # on every rank) leaves no partial expert gradient on any rank. Deferred reads: every gradient of this phase
+    # is NaN on every rank when any rank failed in the call (a device-side check of the check-in and the backward's
+    # end exchanges, no host read; the forward's end was read with the backward pass's first check-in).
+    checks = run.checks + ([run.closing] if run.closing is not None else [])
+    poisoned = None
+    for p in checks:
+        flag = run.dispatcher.channel.failed_flag(p)
+        poisoned = flag if poisoned is None else poisoned | flag
     if poisoned is not None:
         for grad in list(out) + [g for _, grads in sums.entries.values() for g in grads if g is not None]:
             grad.masked_fill_(poisoned, float("nan"))

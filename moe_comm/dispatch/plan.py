@@ -10,13 +10,14 @@ import inspect
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
+import numpy as np
 import torch
 from einops import rearrange
 
 from moe_comm.ops.layout import Layout, RankRows
 
-__all__ = ["ChunkPlan", "DispatchHandle", "DispatchOutput", "build_chunk_plans", "group_pieces",
-           "expert_major_index", "padded_expert_major_index", "rank_major_pays", "to_device", "layout_device"]
+__all__ = ["ChunkPlan", "DispatchHandle", "DispatchOutput", "build_chunk_plans", "group_pieces", "expert_major_index",
+           "chunk_expert_major_index", "padded_expert_major_index", "rank_major_pays", "to_device", "layout_device"]
 
 
 @dataclass
@@ -34,6 +35,7 @@ class ChunkPlan:
         A piece's rows arrive at ``recv_offset`` of the chunk's received rows (piece-major, then source rank).
     rank_major: the received rows stay in (source rank, local expert) blocks, as the all-to-all delivers
         them (no regroup): for an expert_fn that takes ``segments`` (see ``segments``).
+    send_W / recv_W: rows to / from each rank (the sums of send_We / recv_We rows; computed when not given).
     """
 
     chunk: int
@@ -49,6 +51,14 @@ class ChunkPlan:
     piece: Optional[int] = None  # index among its chunk's pieces
     recv_offset: int = 0
     rank_major: bool = False
+    send_W: Optional[List[int]] = None
+    recv_W: Optional[List[int]] = None
+
+    def __post_init__(self):
+        if self.send_W is None:
+            self.send_W = [sum(r) for r in self.send_We]
+        if self.recv_W is None:
+            self.recv_W = [sum(r) for r in self.recv_We]
 
     @property
     def segments(self) -> List[Tuple[int, int, int]]:
@@ -68,19 +78,19 @@ class ChunkPlan:
 
     @property
     def send_splits_W(self) -> List[int]:
-        return [sum(r) for r in self.send_We]
+        return self.send_W
 
     @property
     def recv_splits_W(self) -> List[int]:
-        return [sum(r) for r in self.recv_We]
+        return self.recv_W
 
     @property
     def num_rows(self) -> int:
-        return sum(self.send_splits_W)
+        return sum(self.send_W)
 
     @property
     def num_recv(self) -> int:
-        return sum(self.recv_splits_W)
+        return sum(self.recv_W)
 
 
 @dataclass
@@ -154,17 +164,28 @@ def expert_major_index(counts_We: torch.Tensor, total: int):
     Example: W=2, e=2, counts_We = [[1, 2], [1, 0]] (rows r0 | r1 r2 | r3)
         expert-major order: expert 0 from rank 0, rank 1, then expert 1 -> index [0, 3, 1, 2]
     """
-    W, e = counts_We.shape
-    dev = counts_We.device
-    src_start_We = rearrange(_exclusive_cumsum(counts_We.reshape(-1)), "(w e) -> w e", w=W)
-    counts_eW = rearrange(counts_We, "w e -> (e w)")
-    dst_start_eW = _exclusive_cumsum(counts_eW)
-    block_R = torch.repeat_interleave(torch.arange(e * W, device=dev), counts_eW, output_size=total)
-    pos_R = torch.arange(total, device=dev) - dst_start_eW[block_R]
-    index_R = rearrange(src_start_We, "w e -> (e w)")[block_R] + pos_R
+    (index_R,), (inverse_R,) = chunk_expert_major_index(counts_We[None], [total])
+    return index_R, inverse_R
+
+
+def chunk_expert_major_index(counts_CWe: torch.Tensor, totals_C: List[int]):
+    """``expert_major_index`` of C chunks at once (a fixed number of device ops whatever C, W and e): chunk c
+    received ``totals_C[c]`` rows in (source rank, expert) blocks of counts_CWe[c]. Returns (index per chunk,
+    inverse per chunk), each chunk's positions counted from its own first row.
+
+    Example: C=2, W=1, e=2, counts_CWe = [[[1, 1]], [[0, 2]]] -> index ([0, 1], [0, 1])"""
+    C, W, e = counts_CWe.shape
+    dev, total = counts_CWe.device, sum(totals_C)
+    src_start_CWe = _exclusive_cumsum(counts_CWe.reshape(-1)).reshape(C, W, e)  # over all chunks' rows
+    counts_B = rearrange(counts_CWe, "c w e -> (c e w)")  # destination blocks, chunk-major
+    block_R = torch.repeat_interleave(torch.arange(C * e * W, device=dev), counts_B, output_size=total)
+    pos_R = torch.arange(total, device=dev) - _exclusive_cumsum(counts_B)[block_R]
+    index_R = rearrange(src_start_CWe, "c w e -> (c e w)")[block_R] + pos_R
     inverse_R = torch.empty_like(index_R)
     inverse_R[index_R] = torch.arange(total, device=dev)
-    return index_R, inverse_R
+    # a row's chunk is the same in both orders: count its positions from its chunk's first row
+    first_R = src_start_CWe.reshape(C, -1)[:, 0][block_R // (e * W)]
+    return torch.split(index_R - first_R, totals_C), torch.split(inverse_R - first_R, totals_C)
 
 
 def padded_expert_major_index(counts_We: torch.Tensor, rows_per_rank: int):
@@ -189,32 +210,30 @@ def padded_expert_major_index(counts_We: torch.Tensor, rows_per_rank: int):
     return index_R, inverse_R
 
 
-def build_chunk_plans(send_WCe: List[List[List[int]]], recv_WCe: List[List[List[int]]],
-                      recv_counts_WCe: torch.Tensor, regroup: bool, call: int = 0,
-                      recv_slots_WCe: Optional[List[List[List[int]]]] = None,
+def build_chunk_plans(send_WCe: np.ndarray, recv_WCe: np.ndarray, recv_counts_WCe: torch.Tensor, regroup: bool,
+                      call: int = 0, recv_slots_WCe: Optional[np.ndarray] = None,
                       rank_major: bool = False) -> List[ChunkPlan]:
-    """Chunk plans from the host counts (sent and received, per rank, chunk, local expert) and the received
-    slots per (rank, chunk, local expert) on the device (for tokens_per_expert and the regroup index without
-    another sync). regroup: build the expert-major permutation (the all-to-all transport with W > 1 and
-    e > 1). recv_slots_WCe: the same slots on the host when rows are not one per slot (one copy per rank:
-    send/recv_WCe then hold rows per (rank, chunk), one column). rank_major: the experts take the rows in
-    (source rank, local expert) blocks (``ChunkPlan.segments``; then no regroup)."""
+    """Chunk plans from the host counts (sent and received, per rank, chunk, local expert: int64 arrays read from
+    the control exchange) and the received slots per (rank, chunk, local expert) on the device (for
+    tokens_per_expert and the regroup index without another sync). Array ops: the host work does not grow with
+    W x e. regroup: build the expert-major permutation (the all-to-all transport with W > 1 and e > 1).
+    recv_slots_WCe: the same slots on the host when rows are not one per slot (one copy per rank: send/recv_WCe
+    then hold rows per (rank, chunk), one column). rank_major: the experts take the rows in (source rank, local
+    expert) blocks (``ChunkPlan.segments``; then no regroup)."""
     W, C, e = recv_counts_WCe.shape
-    slots_WCe = recv_WCe if recv_slots_WCe is None else recv_slots_WCe
-    chunks, offset = [], 0
-    for c in range(C):
-        send_We = [send_WCe[w][c] for w in range(W)]
-        recv_We = [recv_WCe[w][c] for w in range(W)]
-        counts_We = recv_counts_WCe[:, c, :]
-        plan = ChunkPlan(chunk=c, call=call, send_We=send_We, recv_We=recv_We, row_offset=offset,
-                         tokens_per_expert_e=counts_We.sum(0),
-                         counts_e=[sum(slots_WCe[w][c][j] for w in range(W)) for j in range(e)],
-                         rank_major=rank_major)
-        if regroup:
-            plan.expert_index_R, plan.source_index_R = expert_major_index(counts_We, plan.num_recv)
-        chunks.append(plan)
-        offset += plan.num_rows
-    return chunks
+    send_WCe, recv_WCe = np.asarray(send_WCe), np.asarray(recv_WCe)  # also nested lists
+    slots_WCe = recv_WCe if recv_slots_WCe is None else np.asarray(recv_slots_WCe)
+    send_CW, recv_CW = send_WCe.sum(2).T, recv_WCe.sum(2).T
+    offsets_C = np.cumsum(send_CW.sum(1)) - send_CW.sum(1)
+    recv_C = recv_CW.sum(1).tolist()
+    tokens_Ce = recv_counts_WCe.sum(0)  # one device op for every chunk
+    index = chunk_expert_major_index(recv_counts_WCe.transpose(0, 1), recv_C) if regroup else ([None] * C,) * 2
+    send_CWe, recv_CWe = send_WCe.transpose(1, 0, 2).tolist(), recv_WCe.transpose(1, 0, 2).tolist()
+    counts_Ce, send_CW, recv_CW = slots_WCe.sum(0).tolist(), send_CW.tolist(), recv_CW.tolist()
+    return [ChunkPlan(chunk=c, call=call, send_We=send_CWe[c], recv_We=recv_CWe[c], row_offset=int(offsets_C[c]),
+                      tokens_per_expert_e=tokens_Ce[c], counts_e=counts_Ce[c], expert_index_R=index[0][c],
+                      source_index_R=index[1][c], rank_major=rank_major, send_W=send_CW[c], recv_W=recv_CW[c])
+            for c in range(C)]
 
 
 def group_pieces(plans: List[ChunkPlan], pieces: int) -> List[ChunkPlan]:

@@ -3,8 +3,9 @@ exactly, for every option, on 1 and 2 gloo ranks.
 
 HostSyncs (moe_comm.testing.syncs) records on CPU what would make the host wait for a CUDA device. With
 backend="torch" (the layout a CUDA run uses) and end_check="deferred" (the CUDA default) a forward has
-exactly one: the dispatcher's control-exchange read; a backward on W > 1 has one: its check-in read, which
-raises a forward failure on every rank before any gradient moves (W = 1: none); the sync-free mode
+exactly one: the dispatcher's control-exchange read; a backward on W > 1 has one, however many layers: the
+first layer's check-in read, which reads every deferred exchange of the group and raises a forward failure on
+every rank before any gradient moves (W = 1: none); the sync-free mode
 (max_tokens_per_rank) has none after its first call. One copy per rank (dedup) and FP8 dispatch add none.
 The recorder also sees the CUDA-only kinds (host -> device copies, torch.equal, stream and event waits) on
 CPU, with ``meta`` standing in for the device; the layer's tensors are on the CPU here, so its host -> device
@@ -19,7 +20,7 @@ from moe_comm.placement.planner import plan_placement
 from moe_comm.testing.syncs import HostSyncs
 
 H, F, E, K = 16, 24, 4, 2
-READ = "tolist at "  # the one read: Channel.end
+READ = "cpu at "  # the one read: Channel.end
 
 CONFIGS = {
     "plain": {},
@@ -94,6 +95,29 @@ def test_host_syncs_single_rank(name):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_host_syncs_two_ranks(ranks, name):
     _check(ranks(2).run(_rank_syncs, name), name, 2)
+
+
+def _rank_stack_syncs(rank, world_size, depth):
+    layers = torch.nn.Sequential(*(_layer("plain", world_size) for _ in range(depth)))
+    x = torch.randn(24, H, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    out = []
+    for _ in range(2):
+        fwd, bwd = _step(layers, x)
+        out.append((fwd.count, [e.what + " at " + e.file.rsplit("/", 1)[-1] + ": " + e.source for e in bwd.events]))
+    moe_comm.check(layers)
+    return out
+
+
+@pytest.mark.multirank
+def test_a_backward_through_a_stack_reads_once(ranks):
+    # end_check="deferred": one read per layer forward; the backward reads once, at the first layer's check-in
+    # (with every deferred exchange of the group); the later check-ins are read with the next read. Before: one
+    # read per layer's check-in (3 here).
+    depth = 3
+    for per_rank in ranks(2).run(_rank_stack_syncs, depth):
+        for fwd, bwd in per_rank:
+            assert fwd == depth and len(bwd) == 1, (fwd, bwd)
+            assert bwd[0].startswith(READ + "channel.py") and "the phase's one read" in bwd[0], bwd
 
 
 def test_host_syncs_sees_what_it_should():
