@@ -188,6 +188,23 @@ def chunk_expert_major_index(counts_CWe: torch.Tensor, totals_C: List[int]):
     return torch.split(index_R - first_R, totals_C), torch.split(inverse_R - first_R, totals_C)
 
 
+def _host_expert_major_index(counts_CWe: np.ndarray, totals_C: List[int]):
+    """``chunk_expert_major_index`` on host counts, for rows on the CPU (the same steps in numpy)."""
+    C, W, e = counts_CWe.shape
+    flat = counts_CWe.reshape(-1)
+    src_start_CWe = (np.cumsum(flat) - flat).reshape(C, W, e)
+    counts_B = counts_CWe.transpose(0, 2, 1).reshape(-1)
+    block_R = np.repeat(np.arange(C * e * W), counts_B)
+    pos_R = np.arange(block_R.size) - (np.cumsum(counts_B) - counts_B)[block_R]
+    index_R = src_start_CWe.transpose(0, 2, 1).reshape(-1)[block_R] + pos_R
+    inverse_R = np.empty_like(index_R)
+    inverse_R[index_R] = np.arange(index_R.size)
+    first_R = src_start_CWe.reshape(C, -1)[:, 0][block_R // (e * W)]
+    cuts = np.cumsum(totals_C)[:-1]
+    return ([torch.from_numpy(i) for i in np.split(index_R - first_R, cuts)],
+            [torch.from_numpy(i) for i in np.split(inverse_R - first_R, cuts)])
+
+
 def padded_expert_major_index(counts_We: torch.Tensor, rows_per_rank: int):
     """``expert_major_index`` for fixed-size blocks: received block w holds its counts_We[w] rows (by local
     expert) then padding up to rows_per_rank (P). Returns a permutation of the W*P rows: every expert's rows
@@ -210,6 +227,11 @@ def padded_expert_major_index(counts_We: torch.Tensor, rows_per_rank: int):
     return index_R, inverse_R
 
 
+# Rows on the CPU up to this many received rows get their regroup index from numpy; more, from torch (threaded).
+# Measured (W = 64, e = 32, one call's plans): 9K rows numpy 0.14 ms vs torch 0.27; 37K rows numpy 1.0 vs torch 0.76.
+HOST_INDEX_MAX_ROWS = 16384
+
+
 def build_chunk_plans(send_WCe: np.ndarray, recv_WCe: np.ndarray, recv_counts_WCe: torch.Tensor, regroup: bool,
                       call: int = 0, recv_slots_WCe: Optional[np.ndarray] = None,
                       rank_major: bool = False) -> List[ChunkPlan]:
@@ -226,8 +248,13 @@ def build_chunk_plans(send_WCe: np.ndarray, recv_WCe: np.ndarray, recv_counts_WC
     send_CW, recv_CW = send_WCe.sum(2).T, recv_WCe.sum(2).T
     offsets_C = np.cumsum(send_CW.sum(1)) - send_CW.sum(1)
     recv_C = recv_CW.sum(1).tolist()
-    tokens_Ce = recv_counts_WCe.sum(0)  # one device op for every chunk
-    index = chunk_expert_major_index(recv_counts_WCe.transpose(0, 1), recv_C) if regroup else ([None] * C,) * 2
+    if recv_counts_WCe.device.type == "cpu" and sum(recv_C) <= HOST_INDEX_MAX_ROWS:
+        # the host counts are the same numbers: numpy, without torch's per-op overhead
+        tokens_Ce = torch.from_numpy(slots_WCe.sum(0))
+        index = _host_expert_major_index(recv_WCe.transpose(1, 0, 2), recv_C) if regroup else ([None] * C,) * 2
+    else:
+        tokens_Ce = recv_counts_WCe.sum(0)  # one device op for every chunk
+        index = chunk_expert_major_index(recv_counts_WCe.transpose(0, 1), recv_C) if regroup else ([None] * C,) * 2
     send_CWe, recv_CWe = send_WCe.transpose(1, 0, 2).tolist(), recv_WCe.transpose(1, 0, 2).tolist()
     counts_Ce, send_CW, recv_CW = slots_WCe.sum(0).tolist(), send_CW.tolist(), recv_CW.tolist()
     return [ChunkPlan(chunk=c, call=call, send_We=send_CWe[c], recv_We=recv_CWe[c], row_offset=int(offsets_C[c]),

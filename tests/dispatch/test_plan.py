@@ -12,6 +12,7 @@ import moe_comm
 from moe_comm import ops
 from moe_comm.comm.wire import HEADER_WORDS, MESSAGE_WORDS, Word
 from moe_comm.dispatch.dispatcher import Dispatcher
+from moe_comm.dispatch import plan as plan_module
 from moe_comm.dispatch.plan import build_chunk_plans, chunk_expert_major_index, expert_major_index
 
 BASE = HEADER_WORDS + MESSAGE_WORDS
@@ -91,8 +92,11 @@ def test_plan_building_does_not_grow_with_ranks_times_experts():
     assert large <= small + 20, (small, large)
 
 
+@pytest.mark.parametrize("host_index", [True, False], ids=["numpy_index", "torch_index"])
 @pytest.mark.parametrize("W,e,C", [(1, 1, 1), (2, 3, 1), (4, 2, 4), (3, 5, 3)])
-def test_plans_match_the_counts(W, e, C):
+def test_plans_match_the_counts(W, e, C, host_index, monkeypatch):
+    # CPU rows: the regroup index from numpy up to HOST_INDEX_MAX_ROWS received rows, from torch above
+    monkeypatch.setattr(plan_module, "HOST_INDEX_MAX_ROWS", 1 << 30 if host_index else -1)
     d, p, lay = _fake_call(W, e, C, seed=W * 10 + C)
     handle = d._plan(p, p.send_WX.numpy(), p.recv_WX.numpy(), lay, C, 16, 1, None)
     sent_WCe = p.send_WX[:, BASE:].reshape(W, C, e)
@@ -127,3 +131,14 @@ def test_build_chunk_plans_takes_nested_lists():
                               regroup=True)
     assert plans[0].send_splits_W == [3, 1] and plans[0].recv_splits_W == [2, 2]
     assert plans[0].expert_index_R.tolist() == [0, 1, 2, 3]  # expert 0: rank 0's two rows, rank 1's; then expert 1
+
+
+def test_host_and_device_regroup_index_agree():
+    g = torch.Generator().manual_seed(1)
+    for C, W, e in ((1, 1, 1), (3, 4, 2), (2, 3, 5), (4, 2, 3)):
+        counts = torch.randint(0, 4, (C, W, e), generator=g)
+        totals = counts.sum((1, 2)).tolist()
+        device = chunk_expert_major_index(counts, totals)
+        host = plan_module._host_expert_major_index(counts.numpy(), totals)
+        for a, b in zip(device[0] + device[1], host[0] + host[1]):
+            assert torch.equal(a, b), (C, W, e)
