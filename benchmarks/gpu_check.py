@@ -23,7 +23,8 @@ Sections, in run order (each in try/except; the JSON file is rewritten after eac
                  moe_comm.testing.syncs.HostSyncs anywhere (on CUDA it also sees host -> device copies; its
                  non_blocking copies from pageable memory are listed apart and FAIL only if measured blocking)
   sync_free      MoEConfig(max_tokens_per_rank=M): no host sync in forward and backward, the dropless
-                 layer's output and gradients
+                 layer's output and gradients; a step captured in a CUDA graph and replayed on new tokens
+                 (CUDA only: equal to eager dropless steps, call number and monitor step advanced per replay)
   fp8_dispatch   FP8 rows: Triton quantize/dequantize vs the torch reference bit for bit (fp32 and ue8m0
                  scales, NaN/Inf blocks, the e4m3 bound); a layer with dispatch_dtype=float8_e4m3fn near the
                  plain one, host syncs
@@ -939,6 +940,66 @@ def sec_sync_free(ctx: Ctx, rec: Record) -> None:
             check_pageable(rec, label, pageable, ctx.device)
         rec.check(f"{label}: forward 0 syncs", not fwd, f"{len(fwd)}: {fwd}")
         rec.check(f"{label}: backward 0 syncs", not bwd, f"{len(bwd)}: {bwd}")
+    if not ctx.cuda:
+        rec.not_covered("CUDA graph capture of a sync-free step", "needs CUDA (on CPU: "
+                        "tests/dispatch/test_sync_free_capture.py checks a step changes nothing on the host)")
+        return
+    check_graph_capture(ctx, rec, dropless, free, x, gy)
+
+
+GRAPH_REPLAYS = 3
+
+
+def check_graph_capture(ctx: Ctx, rec: Record, dropless, free, x: torch.Tensor, gy: torch.Tensor) -> None:
+    """A sync-free layer step (forward and backward) captured in one CUDA graph, replayed on new tokens: each
+    replay equals an eager step of the dropless layer on them, and the call number and the monitor's step
+    advance on the device, one per replay."""
+    static_x = x.detach().clone().requires_grad_(True)
+
+    def step():
+        y = free(static_x)
+        ((y.double() * gy).sum() + free.aux_loss.double()).backward()
+        return y
+
+    side = torch.cuda.Stream(ctx.device)
+    side.wait_stream(torch.cuda.current_stream(ctx.device))
+    with torch.cuda.stream(side):  # warm-up off the capture (kernels compiled, buffers cached)
+        for _ in range(2):
+            free.zero_grad(set_to_none=True)
+            static_x.grad = None
+            step()
+    torch.cuda.current_stream(ctx.device).wait_stream(side)
+    free.zero_grad(set_to_none=True)
+    static_x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            static_y = step()
+    except Exception as err:  # noqa: BLE001 - the verdict names it
+        rec.check("a sync-free step is captured in a CUDA graph", False, f"{type(err).__name__}: {err}"[:300])
+        return
+    rec.check("a sync-free step is captured in a CUDA graph", True)
+    channel, monitor = free.dispatcher.channel, free.monitor
+    call0 = int(channel.call_dev.item()) if channel.call_dev is not None else None
+    steps0 = monitor.steps if monitor is not None else None
+    worst = 0.0
+    tol = 1e-5 if x.dtype == torch.float32 else REL_TOL[torch.bfloat16]
+    for i in range(GRAPH_REPLAYS):
+        x_new = torch.randn(x.shape, generator=ctx.gen(60 + i), device=ctx.device).to(x.dtype)
+        static_x.data.copy_(x_new)
+        graph.replay()
+        want = run_layer(dropless, x_new, gy)
+        got = {"y": static_y, "x": static_x.grad, "w1": free.experts.w1.grad, "w2": free.experts.w2.grad}
+        worst = max([worst] + [rel_err(got[k], want[k]) for k in got])
+    rec.check(f"{GRAPH_REPLAYS} replays on new tokens equal eager dropless steps", worst <= tol,
+              f"worst rel err {worst:.2e} (tol {tol:g})")
+    if call0 is not None:
+        advanced = int(channel.call_dev.item()) - call0
+        rec.check("the call number advances on the device, one per replay", advanced == GRAPH_REPLAYS,
+                  f"+{advanced} after {GRAPH_REPLAYS} replays")
+    if steps0 is not None:
+        rec.check("the load monitor counts every replay", monitor.steps - steps0 == GRAPH_REPLAYS,
+                  f"+{monitor.steps - steps0}")
 
 
 # ------------------------------------------------------------------------------- child processes

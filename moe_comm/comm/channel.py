@@ -28,6 +28,7 @@ __all__ = ["Channel", "Pending", "PeerFailed", "next_index", "MAX_DEFERRED", "re
 EARLIER = -2  # Word.CHUNK of a failure carried from an earlier call (after that call's last exchange)
 IN_LEVEL = -3  # Word.CHUNK of a failure inside a level of a two-level call (dispatch.hierarchy), reported at its close
 MAX_DEFERRED = 64  # unread exchanges a Channel keeps; older ones are checked on the device (Channel.defer)
+MAX_HEADER_ROWS = 64  # device header rows a Channel caches (device calls; a handful in use: one per phase)
 
 def next_index(group: Optional[dist.ProcessGroup]) -> int:
     """Construction index of a Dispatcher on ``group``: the number of the agreement its construction makes
@@ -57,6 +58,7 @@ class Pending:
     start: object = None
     waited: bool = False
     read: int = HEADER_WORDS + MESSAGE_WORDS  # the words of each row the host reads: header, message, used slots
+    call_dev: Optional[torch.Tensor] = None  # the call number on the device (device calls)
 
 
 class _GroupReads:
@@ -106,6 +108,15 @@ class Channel:
         self._owed = False
         self.last_read_words = 0  # int64 words the last read brought to the host (all its exchanges)
         self.reads_with_group = False  # end_check="deferred" (set by the owner): see read_group
+        # Device calls (the sync-free mode after its first call, ``start_device_calls``): the call number lives on
+        # the device (``call_dev``, advanced there: ``next_call``), header rows come from a device cache, and each
+        # exchange is checked on the device as it is deferred, into ``sticky`` (the first failed exchange's rows
+        # and ranks, kept until a read): per call nothing on the host changes and nothing is copied to the device,
+        # so a CUDA graph can capture the calls and replay them.
+        self.call_dev: Optional[torch.Tensor] = None
+        self._rows: Dict[tuple, torch.Tensor] = {}
+        self.sticky: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # (any, bad_W, rows_WB)
+        self.sticky_error: Optional[BaseException] = None  # this rank's own error in that exchange (a failure only)
 
     def carry(self, error: BaseException, where: str) -> None:
         """Send ``error`` (this rank's alone, in ``where``, after that call's last exchange) with this rank's next
@@ -113,12 +124,62 @@ class Channel:
         if self.world > 1 and self.late is None:
             self.late, self.late_call = (kept(error), where), self.call
 
+    def start_device_calls(self, device: torch.device) -> None:
+        """From now on the call number lives on the exchanges' device (one process: ``device``, the rows'; a gloo
+        group with CUDA rows: the CPU, where its exchanges are built), see ``call_dev``."""
+        if self.call_dev is None:
+            W, B, dev = self.world, HEADER_WORDS + MESSAGE_WORDS, self.device
+            self.call_dev = torch.full((), self.call, dtype=torch.int64, device=dev if W > 1 else device)
+            if W > 1:  # one process defers nothing
+                i64 = dict(dtype=torch.int64, device=dev)
+                self.sticky = (torch.zeros((), dtype=torch.bool, device=dev), torch.zeros(W, **i64),
+                               torch.zeros(W, B, **i64))
+
+    def next_call(self) -> Optional[torch.Tensor]:
+        """Advance the call number (once per call, identically on every rank): on the host, or with device calls
+        on the device, returning this call's number there (a device scalar; None without device calls)."""
+        if self.call_dev is None:
+            self.call += 1
+            return None
+        self.call_dev.add_(1)
+        return self.call_dev.clone()
+
+    def set_call(self, call: int) -> None:
+        """Resynchronise the call number (a read found the ranks at different calls)."""
+        self.call = call
+        if self.call_dev is not None:
+            self.call_dev.fill_(call)
+
+    def _header_row(self, hdr: List[int], message: Optional[str], dev: torch.device,
+                    call_dev: Optional[torch.Tensor]) -> torch.Tensor:
+        """[HEADER_WORDS + MESSAGE_WORDS] int64 on ``dev``. With device calls and no message, from a cache keyed by
+        the header without its call number, which ``call_dev`` fills in (no host -> device copy)."""
+        key = None
+        if call_dev is not None and message is None:  # CALL and STEP are written over the row (see begin)
+            key = (tuple(hdr[:Word.CALL] + [-1] + hdr[Word.CALL + 1:Word.STEP] + [-1] + hdr[Word.STEP + 1:]), dev)
+            row = self._rows.get(key)
+            if row is not None:
+                return row
+        if message is None:  # the common case: header and an empty message, one host tensor
+            row = torch.tensor(hdr + _NO_MESSAGE, dtype=torch.int64, device="cpu")  # host ints, any default device
+        else:
+            hdr_X = torch.tensor(hdr, dtype=torch.int64, device="cpu")
+            row = torch.cat([hdr_X, encode_message(message)])
+        if dev.type == "cuda":  # from pinned memory the copy is asynchronous; from pageable memory it may block
+            row = row.pin_memory()
+        row = row.to(dev, non_blocking=True)
+        if key is not None and len(self._rows) < MAX_HEADER_ROWS:  # kept while a captured graph may read them
+            self._rows[key] = row
+        return row
+
     def begin(self, phase: Phase, hdr: List[int], *, dynamic: Optional[torch.Tensor] = None,
               slots_WS: Optional[torch.Tensor] = None, local_error: Optional[BaseException] = None,
-              failed: Failure = Failure.NONE, summed_X: Optional[torch.Tensor] = None) -> Pending:
+              failed: Failure = Failure.NONE, summed_X: Optional[torch.Tensor] = None,
+              call_dev: Optional[torch.Tensor] = None) -> Pending:
         """Issue the exchange. hdr: ``wire.header(...)`` (host ints); dynamic: optional int64 [3] device tensor
         (BAD_IDS, NONFINITE, ROWS) computed on the device; slots_WS: optional [W, <=S] int64 per-destination
-        counts; local_error / failed: this rank's failure, sent to every peer with its message."""
+        counts; local_error / failed: this rank's failure, sent to every peer with its message; call_dev: the
+        call number on the device (device calls), written over hdr's."""
         check_usable(self.group, self.rank)
         W, dev = self.world, self.device
         hdr = list(hdr)
@@ -139,35 +200,31 @@ class Channel:
         if W == 1 and dynamic is not None:
             dev = dynamic.device  # one process: no collective; stay on the rows' device (no copy to the host)
         hdr[Word.FAILED] = int(failed)
-        if message is None:  # the common case: header and an empty message, one host tensor
-            row = torch.tensor(hdr + _NO_MESSAGE, dtype=torch.int64, device="cpu")  # host ints, any default device
-        else:
-            hdr_X = torch.tensor(hdr, dtype=torch.int64, device="cpu")
-            row = torch.cat([hdr_X, encode_message(message)])
-        if dev.type == "cuda":  # from pinned memory the copy is asynchronous; from pageable memory it may block
-            row = row.pin_memory()
-        row = row.to(dev, non_blocking=True)
         send_WX = torch.zeros(W, self.width, dtype=torch.int64, device=dev)
-        send_WX[:, :HEADER_WORDS + MESSAGE_WORDS] = row
+        send_WX[:, :HEADER_WORDS + MESSAGE_WORDS] = self._header_row(hdr, message, dev, call_dev)
+        if call_dev is not None:
+            send_WX[:, Word.CALL] = call_dev
+            send_WX[:, Word.STEP] = hdr[Word.STEP]  # a fill (under a CUDA graph: the step at capture)
         if dynamic is not None:
             send_WX[:, Word.BAD_IDS:Word.ROWS + 1] = dynamic.to(dev, torch.int64)
         if slots_WS is not None and slots_WS.shape[1]:
             send_WX[:, HEADER_WORDS + MESSAGE_WORDS:HEADER_WORDS + MESSAGE_WORDS + slots_WS.shape[1]] = slots_WS
         if summed_X is not None:  # the same words to every rank, as int64 bits
             send_WX[:, self.width - self.summed:] = summed_X.to(dev, torch.float64).contiguous().view(torch.int64)
-        where = f"{PHASE_TEXT[phase]} of call {hdr[Word.CALL]} (dispatcher {self.index})"
+        call = "" if call_dev is not None else f" of call {hdr[Word.CALL]}"  # device calls: not on the host
+        where = f"{PHASE_TEXT[phase]}{call} (dispatcher {self.index})"
         pending_start = self.timeline.mark() if self.timeline is not None else None
         # the host reads the slots this call used (C x its words per chunk), not the whole counts area
         read = HEADER_WORDS + MESSAGE_WORDS + (0 if slots_WS is None else slots_WS.shape[1])
         if W == 1:
             return Pending(phase, send_WX, send_WX, None, where, local_error, failed, hdr[Word.CALL], pending_start,
-                           read=read)
+                           read=read, call_dev=call_dev)
         record_arrival(self.group, where)
         recv_WX = torch.empty_like(send_WX)
         with issuing(self.group, f"{PHASE_TEXT[phase]} control exchange", self.rank):
             work = dist.all_to_all_single(recv_WX, send_WX, group=self.group, async_op=True)
         return Pending(phase, send_WX, recv_WX, work, where, local_error, failed, hdr[Word.CALL], pending_start,
-                       read=read)
+                       read=read, call_dev=call_dev)
 
     def end(self, pending: Optional[Pending]) -> Tuple[np.ndarray, np.ndarray]:
         """Wait for the exchange and check it. Returns (sent, received): int64 host arrays [W, pending.read], row w
@@ -230,11 +287,23 @@ class Channel:
         flat = [t[:, :p.read].reshape(-1) for p in todo for t in (p.send_WX, p.recv_WX)]
         if folded is not None:
             flat += [folded[0], folded[1].reshape(1)]
-        return pending, earlier, flat, folded
+        sticky = None
+        if self.sticky is not None:  # read it, then clear it in place (the next reads start afresh)
+            sticky = torch.cat([self.sticky[2].reshape(-1), self.sticky[0].reshape(1).to(torch.int64)])
+            flat.append(sticky)
+            for t in self.sticky:
+                t.zero_()
+        return pending, earlier, flat, (folded, sticky is not None)
 
     def _verify(self, taken, values: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        pending, earlier, _, folded = taken
+        pending, earlier, _, (folded, sticky) = taken
         todo = earlier + ([] if pending is None else [pending])
+        if sticky:  # device calls: the first failed exchange since the last read, its rows as it received them
+            B = HEADER_WORDS + MESSAGE_WORDS
+            failed_any, rows = int(values[-1]), values[-1 - self.world * B:-1].reshape(self.world, B).tolist()
+            values = values[:-1 - self.world * B]
+            if failed_any:
+                self._raise_sticky(rows)
         if folded is not None:
             bad_call, bad_W = int(values[-1]), values[-1 - self.world:-1].tolist()
             values = values[:-1 - self.world]
@@ -259,7 +328,7 @@ class Channel:
                 if i < len(earlier) and pending is not None:
                     # A deferred failure raised at this later exchange: ranks may stand at different calls
                     # here (the failing one left its call early); all continue from the furthest.
-                    self.call = max(self.call, int(both[-1][1][:, Word.CALL].max()))
+                    self.set_call(max(self.call, int(both[-1][1][:, Word.CALL].max())))
                 raise
         return both[-1] if both else (values[:0].reshape(W, 0), values[:0].reshape(W, 0))
 
@@ -278,13 +347,29 @@ class Channel:
             pending.waited, pending.work = True, None  # no Work outlives its wait (one left at exit may abort)
 
     def defer(self, pending: Pending) -> None:
-        """Check this exchange with the next read instead of now (no host sync of its own). At most
-        MAX_DEFERRED stay unread; older ones are checked on the device and folded into one flag (read with
-        the next read), so a sync-free run that never reads holds a fixed amount of memory."""
+        """Check this exchange with the next read instead of now (no host sync of its own). With device calls it
+        is checked on the device now (``sticky``). Otherwise at most MAX_DEFERRED stay unread; older ones are
+        checked on the device and folded into one flag (read with the next read), so a run that never reads
+        holds a fixed amount of memory."""
         kept(pending.local_error)
+        if self.sticky is not None:
+            self._stick(pending)
+            return
         self.deferred.append(pending)
         if len(self.deferred) > MAX_DEFERRED:
             self._fold(self.deferred.pop(0))
+
+    def _stick(self, p: Pending) -> None:
+        """Device calls: check exchange ``p`` on the device now (a stream wait, no host read) and keep the first
+        failed one's rows and ranks in ``sticky``, in place, until a read."""
+        bad_W = self._bad_W(p)
+        any_, first_W, rows_WB = self.sticky
+        first = bad_W.any() & ~any_
+        first_W.copy_(torch.where(first, bad_W.to(torch.int64), first_W))
+        rows_WB.copy_(torch.where(first, p.recv_WX[:, :HEADER_WORDS + MESSAGE_WORDS], rows_WB))
+        any_ |= first
+        if p.local_error is not None and self.sticky_error is None:  # a failure: the host knows it already
+            self.sticky_error = p.local_error
 
     def failed_flag(self, p: Pending) -> torch.Tensor:
         """0-dim bool on the device: any rank failed or disagreed in exchange ``p`` (waits for it: on NCCL a
@@ -293,15 +378,15 @@ class Channel:
 
     def _bad_W(self, p: Pending) -> torch.Tensor:
         """[W] bool on the device: the ranks whose row in ``p`` shows a failure, a foreign row or a
-        disagreement."""
+        disagreement with this rank's own row (what it sent). A fixed dozen device ops whatever W."""
         self.wait(p)
-        rows, own = p.recv_WX, p.send_WX[0]
-        bad = (rows[:, Word.MAGIC] != MAGIC) | (rows[:, Word.CALL] != p.call) | (rows[:, Word.PHASE] != p.phase)
-        bad |= (rows[:, Word.DISPATCHER] != self.index) | (rows[:, Word.FAILED] != Failure.NONE)
-        bad |= rows[:, Word.STEP] != own[Word.STEP]
-        bad |= (rows[:, Word.BAD_IDS] > 0) | (rows[:, Word.NONFINITE] > 0)
-        for w in (Word.WORLD, Word.EXPERTS, Word.CHUNKS, Word.ROW_BYTES, Word.TOP_K, Word.DTYPE, Word.CONFIG):
-            bad |= (rows[:, w] != own[w]) & (rows[:, w] >= 0) & (own[w] >= 0)
+        rows, own = p.recv_WX[:, :HEADER_WORDS], p.send_WX[0, :HEADER_WORDS]
+        differs = rows != own
+        sized = slice(Word.CHUNKS, Word.CONFIG + 1)  # these and TOP_K: -1 where a rank does not know its value
+        bad = differs[:, Word.MAGIC:Word.PHASE + 1].any(1) | differs[:, Word.STEP]  # magic, dispatcher, call, phase
+        bad |= (differs[:, sized] & (rows[:, sized] >= 0) & (own[sized] >= 0)).any(1)
+        bad |= differs[:, Word.TOP_K] & (rows[:, Word.TOP_K] >= 0) & (own[Word.TOP_K] >= 0)
+        bad |= (rows[:, Word.FAILED] != Failure.NONE) | (rows[:, Word.BAD_IDS] > 0) | (rows[:, Word.NONFINITE] > 0)
         return bad
 
     def _fold(self, p: Pending) -> None:
@@ -315,6 +400,18 @@ class Channel:
             first_W, first = self.folded[0], self.folded[1]
             keep = first >= 0
             self.folded = (torch.where(keep, first_W, bad_W), torch.where(keep, first, call), self.folded[2], p.call)
+
+    def _raise_sticky(self, rows: List[List[int]]) -> None:
+        """Raise the failure of the first failed exchange kept on the device (device calls), on every rank alike."""
+        own = rows[self.rank]
+        err, self.sticky_error = self.sticky_error, None
+        if own[Word.FAILED] == Failure.NONE:  # this rank's own (later) failure is not the one kept
+            err = None
+        p = Pending(Phase(own[Word.PHASE]), None, None, None, describe_position(own), err, Failure.NONE, own[Word.CALL])
+        self._check(p, rows, deferred=True)
+        raise PeerFailed(f"moe_comm: EP rank {self.rank}: a rank failed or disagreed in {describe_position(own)} "
+                         "(checked on the device); every rank raised at this later read: discard the outputs since "
+                         "the last read")
 
     def _check(self, pending: Pending, rows: List[List[int]], deferred: bool = False) -> None:
         rank = self.rank
@@ -336,7 +433,7 @@ class Channel:
         at = positions(rows)
         if len(at) > 1:
             # Every rank saw the same rows: all resynchronise on the furthest call, so the next call can work.
-            self.call = max(row[Word.CALL] for row in rows) + 1
+            self.set_call(max(row[Word.CALL] for row in rows) + 1)
             ahead = (Phase.FORWARD, Phase.FORWARD_END)
             self._owed = rows[rank][Word.PHASE] in ahead and any(
                 row[Word.PHASE] in (Phase.BACKWARD, Phase.BACKWARD_END) for row in rows)

@@ -54,7 +54,7 @@ class CallControl:
         A rank whose input is rejected still joins the exchange with zero counts and its error, so every
         rank raises instead of the others hanging. Returns (pending, layout or None); with ``rank_rows``
         (one copy per rank) the layout is a ``RankRows`` of C x ``pieces`` chunks."""
-        self.channel.call += 1
+        call_dev = self.channel.next_call()  # device calls: advanced on the device
         call = self.channel.call
         layout, failed = None, Failure.NONE
         if local_error is None:
@@ -77,7 +77,8 @@ class CallControl:
         if local_error is not None:
             failed = Failure.REJECTED
             C = C if isinstance(C, int) and not isinstance(C, bool) and 1 <= C <= self.max_chunks else 1
-            pending = self.channel.begin(phase, self._header(phase, call, C), local_error=local_error, failed=failed)
+            pending = self.channel.begin(phase, self._header(phase, call, C), local_error=local_error, failed=failed,
+                                         call_dev=call_dev)
             return pending, None
         row_bytes = x_TH.shape[1] * x_TH.element_size()
         if self.strict:
@@ -93,7 +94,8 @@ class CallControl:
             dynamic = torch.stack([layout.num_invalid, nonfinite, layout.counts_CWe.sum()])
         top_k = topk_idx_TK.shape[1] if self.sync_free else -1  # sync-free rows are sized by K: agreed
         pending = self.channel.begin(phase, self._header(phase, call, C * pieces, row_bytes, dtype_code(x_TH.dtype),
-                                                         top_k), dynamic=dynamic, slots_WS=slots_WS, summed_X=summed_X)
+                                                         top_k), dynamic=dynamic, slots_WS=slots_WS, summed_X=summed_X,
+                                     call_dev=call_dev)
         return pending, layout
 
     def _close(self, pending, layout, C: int, hidden: int, pieces: int = 1, expert_fn=None) -> DispatchHandle:
@@ -174,7 +176,7 @@ class CallControl:
         if read_group:
             self.channel.adopt_late()
         with self.workspace.dropped_on_error():
-            pending = self.channel.begin(phase, hdr, local_error=error, failed=failed)
+            pending = self.channel.begin(phase, hdr, local_error=error, failed=failed, call_dev=handle.call_dev)
             if meanwhile is not None:
                 meanwhile()
             if self.sync_free or (deferrable and self.end_check == "deferred"):

@@ -306,8 +306,8 @@ class Dispatcher(CallControl):
     def check(self) -> None:
         """Collective: read the deferred end-of-phase exchanges now (``end_check="deferred"``); raises on every
         rank if a rank failed in the last call (sync-free mode: in any call since the last read). A no-op when
-        nothing is deferred (on every rank alike)."""
-        if self.channel.deferred or self.channel.folded is not None:
+        nothing is deferred (on every rank alike); in the sync-free mode after its first call, always one read."""
+        if self.channel.deferred or self.channel.folded is not None or self.channel.sticky is not None:
             with self.workspace.dropped_on_error():
                 self.channel.end(None)
 

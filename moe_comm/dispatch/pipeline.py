@@ -44,6 +44,7 @@ from moe_comm import _wgrad, ops
 from moe_comm.comm.channel import as_collective_error, kept
 from moe_comm.comm.wire import Failure, Phase
 from moe_comm.dispatch.autotune import call_expert_fn, now
+from moe_comm.dispatch.plan import call_text
 from moe_comm.dispatch.transport import InFlight
 from moe_comm.kernels import select_backend
 
@@ -168,7 +169,7 @@ class _PipelinedExperts(torch.autograd.Function):
         run.failed = run.failed or kept(error)
         with d.workspace.dropped_on_error():
             grad_x, grad_w_NK = _backward(run, _made(run, grad_y_NH.contiguous, "contiguous gradient"))
-        with d.alone(f"the backward of call {run.handle.call}, after its last exchange"):
+        with d.alone(f"the backward of {call_text(run.handle.call)}, after its last exchange"):
             if run.wire is not None and run.handle.layout is None:  # FP8 on a rank whose input was rejected
                 grad_x = None
             elif run.wire is not None:  # to the tokens (permute's backward); FP8: straight through the quantization

@@ -17,7 +17,8 @@ from einops import rearrange
 from moe_comm.ops.layout import Layout, RankRows
 
 __all__ = ["ChunkPlan", "DispatchHandle", "DispatchOutput", "build_chunk_plans", "group_pieces", "expert_major_index",
-           "chunk_expert_major_index", "padded_expert_major_index", "rank_major_pays", "to_device", "layout_device"]
+           "chunk_expert_major_index", "padded_expert_major_index", "rank_major_pays", "to_device", "layout_device",
+           "call_text"]
 
 
 @dataclass
@@ -106,6 +107,7 @@ class DispatchHandle:
     combined: bool = False  # combine() ran for this handle (a second combine raises)
     rank_rows: Optional[RankRows] = None  # one copy per (token, rank): layout is rank_rows.layout
     slots_sent: int = 0  # routed slots this rank sent (= layout.num_rows unless one copy per rank)
+    call_dev: Optional[torch.Tensor] = None  # the call number on the device (sync-free device calls)
 
     @property
     def direct(self) -> bool:
@@ -126,6 +128,11 @@ class DispatchOutput:
     def counts(self) -> List[int]:
         """Host copy of tokens_per_expert (already known: no extra sync)."""
         return self.handle.chunks[0].counts_e
+
+
+def call_text(call: int) -> str:
+    """How messages name a call: its number, or (sync-free device calls, ``call`` -1) where it lives."""
+    return f"call {call}" if call >= 0 else "this sync-free call (numbered on the device)"
 
 
 def segments_of(blocks) -> List[Tuple[int, int, int]]:

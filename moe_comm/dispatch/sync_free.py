@@ -12,7 +12,8 @@ from moe_comm import ops
 from moe_comm.comm.wire import HEADER_WORDS, MESSAGE_WORDS, Failure, Phase
 from moe_comm.dispatch.dispatcher import check_call_args
 from moe_comm.dispatch.pipeline import run_pipeline
-from moe_comm.dispatch.plan import ChunkPlan, DispatchHandle, layout_device, padded_expert_major_index, to_device
+from moe_comm.dispatch.plan import (ChunkPlan, DispatchHandle, call_text, layout_device, padded_expert_major_index,
+                                    to_device)
 from moe_comm.dispatch.transport import AllToAll, Local
 from moe_comm.kernels import select_backend
 
@@ -50,6 +51,8 @@ def call_sync_free(d, x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn, loc
         d.last_sum = d.channel.sum_of(pending)
     if layout is not None:
         d._agreed = (x_TH.shape[1], x_TH.dtype, topk_idx_TK.shape[1])
+        # agreed (read above on every rank): from the next call on, call numbers and checks stay on the device
+        d.channel.start_device_calls(x_TH.device)
     H, dtype, K = d._agreed
     P = M * K  # rows per destination rank: >= T*K, so no routing can overflow it
     base = HEADER_WORDS + MESSAGE_WORDS
@@ -57,7 +60,8 @@ def call_sync_free(d, x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn, loc
     counts_We = layout.counts_CWe[0] if W == 1 else pending.recv_WX[:, base:base + e]
     if layout is not None:
         counts_We = to_device(counts_We, layout_device(layout))
-    plan = _padded_plan(W, e, P, pending.call, counts_We.sum(0))
+    call = -1 if pending.call_dev is not None else pending.call  # device calls: the number is on the device
+    plan = _padded_plan(W, e, P, call, counts_We.sum(0))
     # From here on no exception leaves this rank before the call's last exchange (W > 1): a failure moves zero
     # rows like a rejected input and travels in the end-of-forward exchange (read at check()).
     failed, lay, x_in = pending.local_error, None, None
@@ -75,8 +79,8 @@ def call_sync_free(d, x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn, loc
         plan.expert_index_R = plan.source_index_R = None  # the rows stay as received: placeholders
     kind = Local if W == 1 else AllToAll  # equal splits: P rows to and from every rank
     d.last_transport = kind.name
-    handle = DispatchHandle(layout=lay, chunks=[plan], call=pending.call, hidden_size=H,
-                            transport=d.transport(kind), owner=id(d), slots_sent=-1)
+    handle = DispatchHandle(layout=lay, chunks=[plan], call=call, hidden_size=H,
+                            transport=d.transport(kind), owner=id(d), slots_sent=-1, call_dev=pending.call_dev)
     keep = isinstance(topk_weight_TK, torch.Tensor) and torch.is_grad_enabled() and topk_weight_TK.requires_grad
     with d.timeline.compute("permute"):
         if x_in is None:  # rejected or failed on this rank: zero rows of the agreed size keep every peer's exchange
@@ -99,7 +103,7 @@ def call_sync_free(d, x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn, loc
         y_TH = x_TH.detach().new_zeros(x_TH.shape) + anchor.to(x_TH.dtype)
         return y_TH if side_fn is None else (y_TH, torch.zeros_like(y_TH))
     with d.timeline.compute("unpermute"):
-        y_TH = d.last_step(f"the unpermute of call {pending.call}", y_NH, x_TH.shape,
+        y_TH = d.last_step(f"the unpermute of {call_text(call)}", y_NH, x_TH.shape,
                            lambda: ops.unpermute(y_NH, lay, topk_weight_TK, backend=d.backend))
     return y_TH if side_fn is None else (y_TH, side_out)
 

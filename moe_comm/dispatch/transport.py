@@ -27,7 +27,7 @@ import torch
 from moe_comm.comm.channel import as_collective_error
 from moe_comm.comm.collectives import (REBUILD, CollectiveError, all_to_all_v_async, issue_segments, issuing, poison,
                                        record_arrival, wait_work)
-from moe_comm.dispatch.plan import ChunkPlan
+from moe_comm.dispatch.plan import ChunkPlan, call_text
 from moe_comm.kernels import select_backend
 
 __all__ = ["Transport", "Local", "AllToAll", "PointToPoint", "InFlight", "choose"]
@@ -86,7 +86,7 @@ class Transport(abc.ABC):
     def arrive(self, plan: ChunkPlan, phase: str, direction: str) -> str:
         """Record in the group's store that this rank issued this transfer (a peer that times out names
         the ranks recorded elsewhere); returns the record."""
-        where = f"the {phase} ({direction}) transfer of {plan.label} of call {plan.call}"
+        where = f"the {phase} ({direction}) transfer of {plan.label} of {call_text(plan.call)}"
         record_arrival(self.group, where)
         return where
 

@@ -247,15 +247,21 @@ class LoadMonitor:
     def reset(self) -> None:
         """Forget everything observed (buffers are re-created on the next observe's device)."""
         self._device: Optional[torch.device] = None
-        self._done = 0                 # steps folded into the device state
+        # steps folded into the device state: counted on the device (``_done_dev``), so a step changes nothing on
+        # the host (a CUDA graph can capture it); read with ``_folded_steps``
         self._pending: List[tuple] = []  # (GlobalCounts, buf_X) of an all_reduce not folded in yet
         self._polled = 0               # steps whose hot changes were delivered
         self._known_hot: List[int] = []
+        self._recorded = 0             # steps recorded, counted only with sync_every (it reads every N)
+        self._read_done = 0            # steps in the state the last read copied (``_host``)
 
     @property
     def steps(self) -> int:
-        """Steps observed so far (including one whose group reduction is still in flight)."""
-        return self._done + len(self._pending)
+        """Host sync. Steps observed so far (including one whose group reduction is still in flight)."""
+        return self._folded_steps() + len(self._pending)
+
+    def _folded_steps(self) -> int:
+        return 0 if self._device is None else int(self._done_dev.item())  # host sync: read side
 
     def _alloc(self, device: torch.device) -> None:
         E, S = self.num_experts, self.window
@@ -273,6 +279,7 @@ class LoadMonitor:
         self._cool_streak_E = torch.zeros(E, **i64)
         self._hot_E = torch.zeros(E, dtype=torch.bool, device=device)
         self._hot_since_E = torch.zeros(E, **i64)
+        self._done_dev = torch.zeros((), **i64)
 
     # ---------------------------------------------------------------------------------------- observe
     @torch.no_grad()
@@ -364,8 +371,10 @@ class LoadMonitor:
             self._fold(buf_X[:E].round().to(torch.int64), buf_X[E].round().to(torch.int64), buf_X[E + 1:2 * E + 1],
                        buf_X[2 * E + 1])
             handle = GlobalCounts(buf_X[:E])
-        if self.sync_every is not None and self.steps % self.sync_every == 0:
-            self.poll()  # host sync: opted in with sync_every
+        if self.sync_every is not None:
+            self._recorded += 1
+            if self._recorded % self.sync_every == 0:
+                self.poll()  # host sync: opted in with sync_every
         return handle
 
     def _flush(self) -> None:
@@ -380,38 +389,41 @@ class LoadMonitor:
 
     def _fold(self, counts_E: torch.Tensor, dropped: torch.Tensor, probsum_E: torch.Tensor,
               ntok: torch.Tensor) -> None:
-        """Device-side update of every statistic with one step (all device ops, no sync)."""
-        step, s = self._done, self._done % self.window
-        self._counts_SE[s] = counts_E
-        self._dropped_S[s] = dropped
+        """Device-side update of every statistic with one step (all device ops, no sync). The step number and the
+        window row come from the device counter and every state tensor is updated in place: nothing on the host
+        changes (a CUDA graph replays it)."""
+        step = self._done_dev
+        s = (step % self.window).reshape(1)
+        self._counts_SE.index_copy_(0, s, counts_E.reshape(1, -1))
+        self._dropped_S.index_copy_(0, s, dropped.reshape(1).to(torch.int64))
         self._total_E += counts_E
         self._total_dropped += dropped
         load_E = counts_E.to(torch.float64)
-        if step == 0:
-            self._ema_E.copy_(load_E)
-        else:
-            self._ema_E.mul_(self.ema_decay).add_(load_E, alpha=1.0 - self.ema_decay)
+        self._ema_E.copy_(torch.where(step == 0, load_E, self._ema_E.mul(self.ema_decay).add(load_E,
+                                                                                          alpha=1.0 - self.ema_decay)))
         mass = probsum_E.sum()
         p_E = probsum_E / mass.clamp_min(1e-300)
         entropy = -torch.special.xlogy(p_E, p_E).sum()
-        self._entropy_S[s] = torch.where((ntok > 0) & (mass > 0), entropy, torch.full_like(entropy, float("nan")))
+        self._entropy_S.index_copy_(0, s, torch.where((ntok > 0) & (mass > 0), entropy,
+                                                      torch.full_like(entropy, float("nan"))).reshape(1))
         above_E = load_E > self.hot_threshold * load_E.mean()
         self._hot_streak_E.add_(1).mul_(above_E)
         self._cool_streak_E.add_(1).mul_(~above_E)
         new_hot_E = (self._hot_E | (self._hot_streak_E >= self.hot_persistence)) & \
             (self._cool_streak_E < self.hot_persistence)
-        self._hot_since_E = torch.where(new_hot_E & ~self._hot_E, torch.full_like(self._hot_since_E, step),
-                                        self._hot_since_E)
-        self._hot_E = new_hot_E
-        self._hot_SE[s] = new_hot_E
-        self._done += 1
+        self._hot_since_E.copy_(torch.where(new_hot_E & ~self._hot_E, step.expand_as(self._hot_since_E),
+                                            self._hot_since_E))
+        self._hot_E.copy_(new_hot_E)
+        self._hot_SE.index_copy_(0, s, new_hot_E.reshape(1, -1))
+        step.add_(1)
 
     # ------------------------------------------------------------------------------------------- read
     def _host(self) -> Dict[str, torch.Tensor]:
         """Fold pending reductions and copy the state to the host, window rows in step order."""
         self._flush()
-        n = min(self._done, self.window)
-        order = [(self._done - n + i) % self.window for i in range(n)]
+        done = self._read_done = self._folded_steps()  # the steps this read's state holds
+        n = min(done, self.window)
+        order = [(done - n + i) % self.window for i in range(n)]
         if self._device is None:
             E = self.num_experts
             z = torch.zeros(0, E, dtype=torch.int64)
@@ -423,12 +435,12 @@ class LoadMonitor:
         state = dict(counts_SE=self._counts_SE[idx], dropped_S=self._dropped_S[idx], entropy_S=self._entropy_S[idx],
                      hot_SE=self._hot_SE[idx], total_E=self._total_E, total_dropped=self._total_dropped,
                      ema_E=self._ema_E, hot_E=self._hot_E, hot_since_E=self._hot_since_E)
-        return {k: v.cpu() for k, v in state.items()}  # host sync: reading the statistics
+        return {k: v.to("cpu", copy=True) for k, v in state.items()}  # host sync: reading the statistics
 
     def _deliver(self, st: Dict[str, torch.Tensor]) -> None:
         """Replay hot-set changes of the steps not yet delivered, in order (from the window)."""
-        first = self._done - st["hot_SE"].shape[0]  # step of window row 0
-        for step in range(max(self._polled, first), self._done):
+        first = self._read_done - st["hot_SE"].shape[0]  # step of window row 0
+        for step in range(max(self._polled, first), self._read_done):
             now = st["hot_SE"][step - first].nonzero().flatten().tolist()  # host sync: read side
             if now != self._known_hot:
                 added = sorted(set(now) - set(self._known_hot))
@@ -439,7 +451,7 @@ class LoadMonitor:
                                  step, fmt(added), fmt(removed), fmt(now))
                 if self.on_hot_change is not None:
                     self.on_hot_change(added, removed, step)
-        self._polled = self._done
+        self._polled = self._read_done
 
     def read_state(self) -> Dict[str, torch.Tensor]:
         """Host sync. The state on the host (window rows oldest first: counts_SE, dropped_S, entropy_S,
@@ -520,7 +532,7 @@ class LoadMonitor:
         st = self.read_state()
         n = st["counts_SE"].shape[0]
         out: Dict[str, object] = {
-            "num_experts": self.num_experts, "num_ranks": self.num_ranks, "steps": self._done, "window_steps": n,
+            "num_experts": self.num_experts, "num_ranks": self.num_ranks, "steps": self._read_done, "window_steps": n,
             "config": {"window": self.window, "ema_decay": self.ema_decay, "hot_threshold": self.hot_threshold,
                        "hot_persistence": self.hot_persistence},
         }
@@ -556,7 +568,8 @@ class LoadMonitor:
         st = self._host()
         n = st["counts_SE"].shape[0]
         counts, dropped = st["counts_SE"].tolist(), st["dropped_S"].tolist()  # host sync: read side
-        return {"steps": list(range(self._done - n, self._done)), "tokens_per_expert": counts, "dropped": dropped,
+        return {"steps": list(range(self._read_done - n, self._read_done)), "tokens_per_expert": counts,
+                "dropped": dropped,
                 "router_entropy": [_finite_or_none(x) for x in st["entropy_S"].tolist()],  # host sync: read side
                 "hot": [row.nonzero().flatten().tolist() for row in st["hot_SE"]]}  # host sync: read side
 

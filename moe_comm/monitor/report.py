@@ -125,7 +125,7 @@ def load_figure(monitor: "LoadMonitor", title: Optional[str] = None, *, layer: O
     E, W = monitor.num_experts, monitor.num_ranks
     placed = monitor.placement
     e = E // W
-    first, last = monitor.steps - n, monitor.steps - 1
+    first, last = monitor._read_done - n, monitor._read_done - 1  # the steps read_state() held
     counts_SE = st["counts_SE"].to(torch.float64)
     step_mean_S = counts_SE.mean(1, keepdim=True)
     rel_ES = (counts_SE / step_mean_S.where(step_mean_S > 0, torch.tensor(float("nan")))).T.numpy()

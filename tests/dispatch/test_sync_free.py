@@ -152,9 +152,9 @@ def test_sync_free_arguments_are_checked():
 
 
 def _rank_folded_step(rank, world_size, mismatch):
-    """70 forwards without a read: the oldest unread exchanges are checked on the device and folded into one
-    flag (channel.MAX_DEFERRED = 64). In the second call (the first one's exchange is read at once), the last
-    rank may be at another step."""
+    """70 forwards without a read: every exchange after the first call is checked on the device as it goes out,
+    and the first failed one's rows are kept there (no unread list, nothing on the host per call). In the second
+    call (the first one's exchange is read at once), the last rank may be at another step."""
     d = moe_comm.Dispatcher(E, max_tokens_per_rank=M)
     x, idx, w = _inputs(rank, 0)
     try:
@@ -174,15 +174,35 @@ def _rank_folded_step(rank, world_size, mismatch):
 @pytest.mark.multirank
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("mismatch", [False, True])
-def test_a_step_mismatch_older_than_the_unread_window_still_raises_at_check(ranks, world_size, mismatch):
-    last = world_size - 1
+def test_a_step_mismatch_many_calls_before_the_read_raises_there_naming_it(ranks, world_size, mismatch):
     for rank, outcome in enumerate(ranks(world_size).run(_rank_folded_step, mismatch)):
-        if mismatch:
-            # each rank names the ranks whose step differs from its own (the last rank: every other), the call,
-            # and the cap on unread exchanges
-            named = [r for r in range(world_size) if r != last] if rank == last else [last]
-            assert outcome.startswith("PeerFailed:"), (rank, outcome)
-            assert f"EP rank(s) {named} failed, or disagreed with this rank, in call 2 " in outcome, outcome
-            assert "more than 64 exchanges went unread" in outcome and "discard their outputs" in outcome
+        if mismatch:  # the first failed exchange in full, 68 calls later: its call, the steps and their ranks
+            assert outcome.startswith("ProtocolError:") and "in the forward of call 2 " in outcome, (rank, outcome)
+            steps = f"step 1 on ranks {list(range(world_size - 1))}, step 2 on ranks [{world_size - 1}]"
+            assert f"the training step (moe_comm.set_step) differs across the EP group: {steps}" in outcome, outcome
         else:
             assert outcome == "value", (rank, outcome)
+
+
+def _rank_two_failures(rank, world_size):
+    """Rank 1 fails in call 2, rank 0 in call 3 (too many tokens each); one read after both."""
+    d = moe_comm.Dispatcher(E, max_tokens_per_rank=M)
+    for call in range(4):
+        x, idx, w = _inputs(rank, call, T=M + 1 if (call, rank) in ((2, 1), (3, 0)) else None)
+        with torch.no_grad():
+            d(x, idx, w, expert_scale)
+    try:
+        d.check()
+    except Exception as e:  # noqa: BLE001 - the test reads the type and text
+        return f"{type(e).__name__}: {e}"
+    return "value"
+
+
+@pytest.mark.multirank
+def test_the_read_raises_the_first_failure_on_every_rank_not_a_later_own_one(ranks):
+    # every rank raises the first failed call's error: rank 1 its own, rank 0 the remote one (its own failure came
+    # one call later; the kept exchange is the first). Before the fix rank 0 raised its own later error there.
+    first, second = ranks(2).run(_rank_two_failures)
+    assert first.startswith("RemoteError:") and "EP rank(s) [1] rejected" in first, first
+    assert second.startswith("ValueError:") and "max_tokens_per_rank = 16" in second, second
+    assert "the forward of call 3 " in first and "the forward of call 3 " in second, (first, second)
