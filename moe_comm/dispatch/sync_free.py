@@ -17,7 +17,7 @@ from moe_comm.dispatch.plan import (ChunkPlan, DispatchHandle, call_text, layout
 from moe_comm.dispatch.transport import AllToAll, Local
 from moe_comm.kernels import select_backend
 
-__all__ = ["call_sync_free", "placeholder_backward"]
+__all__ = ["call_sync_free", "placeholder_backward", "placeholder_like"]
 
 
 def call_sync_free(d, x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn, local_error=None, summed_X=None):
@@ -100,12 +100,37 @@ def call_sync_free(d, x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn, loc
             return anchor
         if not (isinstance(x_TH, torch.Tensor) and x_TH.dim() == 2 and x_TH.is_floating_point()):
             raise failed  # no placeholder of x's shape to return: raised here alone
-        y_TH = x_TH.detach().new_zeros(x_TH.shape) + anchor.to(x_TH.dtype)
+        y_TH = placeholder_like(x_TH, anchor, x_TH.dtype, x_TH.device)
         return y_TH if side_fn is None else (y_TH, torch.zeros_like(y_TH))
     with d.timeline.compute("unpermute"):
         y_TH = d.last_step(f"the unpermute of {call_text(call)}", y_NH, x_TH.shape,
                            lambda: ops.unpermute(y_NH, lay, topk_weight_TK, backend=d.backend))
     return y_TH if side_fn is None else (y_TH, side_out)
+
+
+class _ZeroGradTo(torch.autograd.Function):
+    """A 0-dim zero whose backward gives ``x`` a zero gradient: it joins x's graph without reading x's values
+    (x * 0 would turn NaN rows into NaN)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.shape, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
+        return x.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.zeros(ctx.shape, dtype=ctx.dtype, device=ctx.device)
+
+
+def placeholder_like(x: torch.Tensor, anchor: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+    """Zeros shaped like ``x`` for a call that failed on this rank (sync-free: deferred), attached to ``anchor``
+    (the call's graph: its backward issues the peers' exchanges) and to x's graph with a zero gradient, so the
+    backward also reaches what produced x - an upstream layer's backward runs here as on the peers (its own
+    exchanges pair with theirs)."""
+    out = torch.zeros(x.shape, dtype=dtype, device=device) + anchor.to(dtype)
+    if x.requires_grad and (x.is_floating_point() or x.is_complex()):
+        out = out + _ZeroGradTo.apply(x).to(dtype=dtype, device=device)
+    return out
 
 
 def _send_rows(d, x_TH: torch.Tensor, layout):

@@ -27,6 +27,7 @@ from moe_comm.comm.collectives import group_device, group_rank, group_size, reso
 from moe_comm.config import MoEConfig
 from moe_comm.dispatch.dispatcher import Dispatcher
 from moe_comm.dispatch.hierarchy import ranks_on_node
+from moe_comm.dispatch.sync_free import placeholder_like
 from moe_comm.modules.checkpoint import ExpertKeyPath, dcp_fqn_modifiers
 from moe_comm.modules.layer_load import LayerLoad, dropping_failed_loads, finish_bias_update_hook, make_monitor
 from moe_comm.modules.experts import GroupedExperts, PlacedExperts, SwiGLU, _init_expert_
@@ -532,7 +533,7 @@ class MoELayer(LayerLoad, nn.Module):
             if not isinstance(x, torch.Tensor):
                 raise error
             self.aux_loss = anchor.to(torch.float32)
-            return torch.zeros(x.shape, dtype=self.experts.w1.dtype, device=self.experts.w1.device) + anchor, None
+            return placeholder_like(x, anchor, self.experts.w1.dtype, self.experts.w1.device), None
         if not recompute:
             self.aux_loss = routing.aux_loss
         summed_X = self._load_payload(routing) if self.dispatcher.summed_words and not recompute else None

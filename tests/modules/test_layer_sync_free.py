@@ -129,3 +129,35 @@ def test_model_check_reads_every_layer_once(ranks):
     assert log0[0] == "ok 1" and log0[1] == "ok 1" and log0[3] == "ok 1", log0  # one read for both layers
     assert log0[2].startswith("PeerFailed") and "second layer's experts failed" in log0[2], log0
     assert "second layer's experts failed" in log1[2] and log1[3] == "ok 1", log1
+
+
+def _rank_stack_bad_input(rank, world_size, kind):
+    """A two-layer sync-free stack; at step 1 rank 1's input is bad for both layers (too many tokens for the
+    Dispatcher, or another hidden size for the layer's own check), so both of its layers return placeholders.
+    Its backward must still reach the first layer, as its peer's does: the placeholder keeps x's graph (zero
+    gradient). Before: the second layer's zeros were cut from its input, rank 1 skipped the first layer's backward,
+    and the ranks never paired again (ProtocolError, then a timeout)."""
+    model = torch.nn.Sequential(*[moe_comm.MoELayer(_cfg(max_tokens_per_rank=M), seed=s, dtype=torch.float64,
+                                                    timeout=20) for s in (1, 2)])
+    log = []
+    for step in range(4):
+        x = _x(rank, step, T=10)
+        if rank == 1 and step == 1:
+            x = _x(rank, step, T=M + 4) if kind == "too_many_tokens" else torch.randn(10, H + 1, dtype=torch.float64)
+        x.requires_grad_(True)
+        try:
+            model(x).pow(2).sum().backward()
+            moe_comm.check(model)
+            log.append("ok")
+        except Exception as err:  # noqa: BLE001
+            log.append(f"{type(err).__name__}: {err}")
+    return log
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("kind", ["too_many_tokens", "other_hidden"])
+def test_a_bad_input_through_a_stack_keeps_the_ranks_paired(ranks, kind):
+    log0, log1 = ranks(2).run(_rank_stack_bad_input, kind)
+    want = "max_tokens_per_rank" if kind == "too_many_tokens" else "last dimension hidden_size"
+    assert want in log0[1] and want in log1[1] and "EP rank(s) [1]" in log0[1], (log0, log1)
+    assert log0[:1] + log0[2:] == ["ok"] * 3 and log1[:1] + log1[2:] == ["ok"] * 3, (log0, log1)
