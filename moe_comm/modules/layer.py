@@ -411,6 +411,7 @@ class MoELayer(LayerLoad, nn.Module):
                                      direct_min_bytes=old.direct_min_bytes, allow_single_process=True,
                                      max_tokens_per_rank=old.max_tokens_per_rank, dedup=old.dedup,
                                      dispatch_dtype=old.dispatch_dtype, dispatch_scales=old.dispatch_scales,
+                                     summed_words=old.summed_words, max_chunks=old.max_chunks,
                                      ranks_per_node=old.ranks_per_node)
         self.dispatcher.timeline = old.timeline
         self._replica_slots_EC, self._replica_count_E, self._max_replicas = replica_tables(new_p2l, E, params[0].device)

@@ -94,7 +94,7 @@ def _rank_global_counts(rank, world_size, steps, replicas):
         counts, dropped, scores = _recount(layer, x)
         s = layer.monitor.summary()
         out.append(dict(counts=counts, dropped=dropped, scores=scores, last=s["last"], entropy=s["router_entropy"],
-                        placement=s.get("placement")))
+                        placement=s.get("placement"), summed=layer.dispatcher.summed_words))
     return out
 
 
@@ -102,6 +102,8 @@ def _rank_global_counts(rank, world_size, steps, replicas):
 @pytest.mark.parametrize("world_size,replicas", [(2, 2), (4, 4)])
 def test_monitor_holds_global_counts(ranks, world_size, replicas):
     res = ranks(world_size).run(_rank_global_counts, 3, replicas)
+    # the load rides the control exchange before and after apply_placement (before the fix: an all_reduce after it)
+    assert {r[step]["summed"] for r in res for step in range(3)} == {2 * 8 + 2}
     for step in range(3):
         per_rank = [r[step] for r in res]
         want = sum(p["counts"] for p in per_rank)
