@@ -22,6 +22,10 @@ experts, float32; moe_comm with its defaults, C = 1), so all compute the same fu
   passes over the rows and nothing else (no checks, failure protocol, timeline or monitor); "plain" = its
   overhead / a peer's is where a minimal layer stands against that peer, and ours/plain what moe_comm's own
   work costs on top.
+- the failure protocol's price: three control exchanges ([W, width] int64 ``all_to_all_single``, the end of the
+  forward, the backward's check-in, the end of the backward), timed in the same rotation; "+checks" = (the
+  plain layer's overhead + that) / a peer's is the lowest ours/theirs while every rank raises on every rank's
+  failure as it does now (all of moe_comm's other work at zero).
 
     python benchmarks/peers.py                                   # W = 2 and 4, default shapes
     python benchmarks/peers.py --world-sizes 2 --shapes 1024x512x256x8x2 --json out.json
@@ -63,6 +67,7 @@ ADAPTERS = (
 )
 GOAL = 0.5  # moe_comm's overhead <= 0.5 x each peer's
 BARE, RAW, PLAIN = "bare GEMMs", "4 x raw all-to-all", "plain torch"
+CONTROL = "3 x control exchange"  # what moe_comm's failure protocol adds to the plain layer's collectives per step
 AGREE = 1e-5  # max |difference| / max |moe_comm's value|, output and input gradient: above it, no timing verdict
 
 
@@ -173,6 +178,16 @@ def _shape_main(rank, W, a, shape):
             dist.all_to_all_single(send, recv, plan.send_splits_W, plan.recv_splits_W)
 
     steps[RAW] = raw_a2a
+    # The failure protocol's price: a C = 1 step issues three control exchanges beyond the one that carries the
+    # counts (end of forward, backward check-in, end of backward), each [W, width] int64, as moe_comm's channel.
+    ctl_send = torch.zeros(W, ref.dispatcher.channel.width, dtype=torch.int64)
+    ctl_recv = torch.empty_like(ctl_send)
+
+    def control():
+        for _ in range(3):
+            dist.all_to_all_single(ctl_recv, ctl_send)
+
+    steps[CONTROL] = control
 
     xs = x.clone().requires_grad_(True)
     times = {name: [] for name in steps}
@@ -182,10 +197,10 @@ def _shape_main(rank, W, a, shape):
             t = timed(steps[name], None)
             if i >= a["warmup"]:
                 times[name].append(_max_over_ranks(t))
-    bare, raw = times[BARE], statistics.median(times[RAW])
+    bare, raw, control_s = times[BARE], statistics.median(times[RAW]), statistics.median(times[CONTROL])
     over = {n: [s - b for s, b in zip(times[n], bare)] for n in layers}
     out = {"shape": {"T": T, "H": H, "F": F, "E": E, "K": K}, "world_size": W, "bare_gemm_s": statistics.median(bare),
-           "raw_a2a_s": raw, "layers": {}, "skipped": skipped}
+           "raw_a2a_s": raw, "control_s": control_s, "layers": {}, "skipped": skipped}
     for n in over:
         entry = {"step_s": statistics.median(times[n]), "overhead_s": statistics.median(over[n])}
         if n in counts:  # ops per forward / backward, Python calls and collectives per step (this rank)
@@ -196,6 +211,9 @@ def _shape_main(rank, W, a, shape):
             entry["floor_ratio"] = raw / statistics.median(over[n])  # the lowest ours/theirs moving these rows
             # the plain layer's overhead / this one's: where a layer with the fewest passes stands against it
             entry["plain_ratio"] = statistics.median(over[PLAIN]) / statistics.median(over[n])
+            # the plain layer plus moe_comm's three extra control exchanges: the lowest ours/theirs with the
+            # failure protocol as it is (every other cost of moe_comm at zero)
+            entry["protocol_ratio"] = (statistics.median(over[PLAIN]) + control_s) / statistics.median(over[n])
             if n != PLAIN and n not in with_moe_comm:
                 entry["pass"] = checks[n]["agrees"] and entry["ours_over_theirs"] <= GOAL
             entry["with_moe_comm"] = n in with_moe_comm
@@ -239,6 +257,7 @@ def _print(results):
             sh = "x".join(str(s["shape"][k]) for k in "THFEK")
             t.add_row(str(s["world_size"]), sh, BARE, f"{s['bare_gemm_s'] * 1e3:.1f}", "", "", "", "")
             t.add_row("", "", RAW, f"{s['raw_a2a_s'] * 1e3:.1f}", "", "", "", "")
+            t.add_row("", "", CONTROL, f"{s['control_s'] * 1e3:.1f}", "", "", "", "")
             for n, why in s["skipped"].items():
                 t.add_row("", "", n, "-", "-", f"skipped: {why}", "", "")
             for n, e in s["layers"].items():
@@ -247,12 +266,12 @@ def _print(results):
                 if c:
                     verdict = ("MISMATCH" if not c["agrees"] else "" if "pass" not in e
                                else "ok" if e["pass"] else "MISS")
-                    plain = "" if n == PLAIN else f", plain {e['plain_ratio']:.2f}"
+                    plain = "" if n == PLAIN else f", plain {e['plain_ratio']:.2f}, +checks {e['protocol_ratio']:.2f}"
                     ratio = " ".join(v for v in (f"{e['ours_over_theirs']:.2f}", verdict,
                                                  f"(floor {e['floor_ratio']:.2f}{plain})") if v)
                 t.add_row("", "", n, f"{e['step_s'] * 1e3:.1f}", f"{e['overhead_s'] * 1e3:.1f}", ratio,
                           f"{c['y_rel_diff']:.1e}" if c else "", f"{c['dx_rel_diff']:.1e}" if c else "")
-    Console(width=160).print(t)
+    Console(width=176).print(t)
 
 
 def main(argv=None):
