@@ -26,7 +26,7 @@ experts, float32; moe_comm with its defaults, C = 1), so all compute the same fu
   forward, the backward's check-in, the end of the backward), timed alone in the same rotation; "+checks" = (the
   plain layer's overhead + that) / a peer's is where a plain layer would stand with moe_comm's exchanges added
   and all of its other work at zero. An estimate, not a bound: inside a step the exchanges partly overlap other
-  ranks' work (at W = 4 on 2 cores moe_comm read below it).
+  ranks' work (at W = 4 on 2 cores moe_comm once read below it), and their host-side reads are left out.
 
     python benchmarks/peers.py                                   # W = 2 and 4, default shapes
     python benchmarks/peers.py --world-sizes 2 --shapes 1024x512x256x8x2 --json out.json

@@ -109,17 +109,17 @@ def call_sync_free(d, x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn, loc
 
 
 class _ZeroGradTo(torch.autograd.Function):
-    """A 0-dim zero whose backward gives ``x`` a zero gradient: it joins x's graph without reading x's values
-    (x * 0 would turn NaN rows into NaN)."""
+    """A 0-dim zero of ``dtype`` on ``device`` whose backward gives ``x`` a zero gradient: it joins x's graph
+    without reading x's values (x * 0 would turn NaN rows into NaN) or copying across devices."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, dtype, device):
         ctx.shape, ctx.dtype, ctx.device = x.shape, x.dtype, x.device
-        return x.new_zeros(())
+        return torch.zeros((), dtype=dtype, device=device)
 
     @staticmethod
     def backward(ctx, grad):
-        return torch.zeros(ctx.shape, dtype=ctx.dtype, device=ctx.device)
+        return torch.zeros(ctx.shape, dtype=ctx.dtype, device=ctx.device), None, None
 
 
 def placeholder_like(x: torch.Tensor, anchor: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
@@ -129,7 +129,7 @@ def placeholder_like(x: torch.Tensor, anchor: torch.Tensor, dtype: torch.dtype, 
     exchanges pair with theirs)."""
     out = torch.zeros(x.shape, dtype=dtype, device=device) + anchor.to(dtype)
     if x.requires_grad and (x.is_floating_point() or x.is_complex()):
-        out = out + _ZeroGradTo.apply(x).to(dtype=dtype, device=device)
+        out = out + _ZeroGradTo.apply(x, dtype, device)
     return out
 
 

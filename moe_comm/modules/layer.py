@@ -398,6 +398,7 @@ class MoELayer(LayerLoad, nn.Module):
         Applying a new placement to a placed layer moves from the current one.
         """
         E, W, rank = self.cfg.num_experts, self.world_size, group_rank(self.ep_group)
+        self.dispatcher.check()  # a failure not read yet (deferred, sync-free) raises now, on every rank, not lost
         self.finish_bias_update()
         params = [self.experts.w1, self.experts.w3, self.experts.w2]
         new_p2l = relayout_slots(params, placement, self._phys_to_logical or list(range(E)), E,

@@ -161,3 +161,25 @@ def test_a_bad_input_through_a_stack_keeps_the_ranks_paired(ranks, kind):
     want = "max_tokens_per_rank" if kind == "too_many_tokens" else "last dimension hidden_size"
     assert want in log0[1] and want in log1[1] and "EP rank(s) [1]" in log0[1], (log0, log1)
     assert log0[:1] + log0[2:] == ["ok"] * 3 and log1[:1] + log1[2:] == ["ok"] * 3, (log0, log1)
+
+
+def _rank_placement_after_unread_failure(rank, world_size):
+    from moe_comm.placement.planner import plan_placement
+
+    layer = moe_comm.MoELayer(_cfg(max_tokens_per_rank=M), seed=1, dtype=torch.float64, timeout=20)
+    for step in range(2):  # step 1: rank 1 has too many tokens; nobody calls check()
+        layer(_x(rank, step, T=M + 4 if (rank, step) == (1, 1) else 10)).sum().backward()
+    w1 = layer.experts.w1.detach().clone()
+    try:
+        layer.apply_placement(plan_placement([[8, 7, 6, 5, 4, 3, 2, 1]], world_size, 2))
+        return "applied", False
+    except Exception as err:  # noqa: BLE001
+        return f"{type(err).__name__}: {err}", torch.equal(layer.experts.w1, w1)
+
+
+@pytest.mark.multirank
+def test_apply_placement_raises_an_unread_sync_free_failure_first(ranks):
+    # before: the rebuilt Dispatcher dropped the old one's unread failure (it was never raised)
+    for rank, (text, untouched) in enumerate(ranks(2).run(_rank_placement_after_unread_failure)):
+        assert "max_tokens_per_rank" in text and "EP rank(s) [1]" in text, (rank, text)
+        assert untouched, "raised before any weight moved"
