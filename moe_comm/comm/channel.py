@@ -221,7 +221,7 @@ class Channel:
                            read=read, call_dev=call_dev)
         record_arrival(self.group, where)
         recv_WX = torch.empty_like(send_WX)
-        with issuing(self.group, f"{PHASE_TEXT[phase]} control exchange", self.rank):
+        with issuing(self.group, f"{PHASE_TEXT[phase]} control exchange", self.rank, where):
             work = dist.all_to_all_single(recv_WX, send_WX, group=self.group, async_op=True)
         return Pending(phase, send_WX, recv_WX, work, where, local_error, failed, hdr[Word.CALL], pending_start,
                        read=read, call_dev=call_dev)

@@ -206,16 +206,37 @@ def arrivals(group: Optional[dist.ProcessGroup]) -> Optional[Dict[int, str]]:
 
 
 @contextlib.contextmanager
-def issuing(group: Optional[dist.ProcessGroup], what: str, rank: int = 0):
-    """Issuing a collective can fail at once (a peer's socket closed): CollectiveError, and poison the group."""
+def issuing(group: Optional[dist.ProcessGroup], what: str, rank: int = 0, where: Optional[str] = None):
+    """Issuing a collective can fail at once (a peer's socket closed): CollectiveError, and poison the group.
+    where: this rank's position (``record_arrival`` text): the peers recorded elsewhere are named."""
     try:
         yield
     except RuntimeError as e:
         if isinstance(e, CollectiveError):
             raise
+        stuck = _peers_elsewhere(group, rank, where)
         poison(group, f"issuing the {what} on EP rank {rank}: {e}")
-        raise CollectiveError(f"moe_comm: EP rank {rank}: issuing the {what} failed; a peer rank may have died. "
-                              f"{REBUILD}. Cause: {e}") from e
+        raise CollectiveError(f"moe_comm: EP rank {rank}: issuing the {what} failed; a peer rank may have died."
+                              f"{stuck} {REBUILD}. Cause: {e}") from e
+
+
+def _peers_elsewhere(group: Optional[dist.ProcessGroup], rank: int, where: Optional[str]) -> str:
+    """The sentence naming the peers not at this exchange, from the group's arrival records ('' when all are here
+    or ``where`` is None; a sentence saying so when the store does not answer)."""
+    if where is None:
+        return ""
+    seen = arrivals(group)
+    if seen is None:
+        return (f" The group's store did not answer within {ARRIVALS_READ_S:g} s (the link to it, or the rank "
+                "holding it, is down): where the peers are is unknown.")
+    here = seen.get(rank, where)  # this rank's latest record (transfers of later chunks may be issued)
+    behind = {r: w for r, w in seen.items() if w != here}
+    missing = [r for r in range(group_size(group)) if r not in seen]
+    if not (behind or missing):
+        return ""
+    return " Peers not at this exchange: " + "; ".join(
+        [f"EP rank {r} last at {w}" for r, w in sorted(behind.items())]
+        + [f"EP rank {r} never arrived" for r in missing]) + "."
 
 
 def wait_work(work, phase: str, chunk: int = -1, *, timeout: Optional[float] = None, rank: int = 0,
@@ -238,20 +259,7 @@ def wait_work(work, phase: str, chunk: int = -1, *, timeout: Optional[float] = N
             work.wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as e:
         at = phase if chunk < 0 else f"{phase} of chunk {chunk}"
-        stuck = ""
-        if where is not None:
-            seen = arrivals(group)
-        if where is not None and seen is None:
-            stuck = (f" The group's store did not answer within {ARRIVALS_READ_S:g} s (the link to it, or the rank "
-                     "holding it, is down): where the peers are is unknown.")
-        elif where is not None:
-            here = seen.get(rank, where)  # this rank's latest record (transfers of later chunks may be issued)
-            behind = {r: w for r, w in seen.items() if w != here}
-            missing = [r for r in range(group_size(group)) if r not in seen]
-            if behind or missing:
-                stuck = " Peers not at this exchange: " + "; ".join(
-                    [f"EP rank {r} last at {w}" for r, w in sorted(behind.items())]
-                    + [f"EP rank {r} never arrived" for r in missing]) + "."
+        stuck = _peers_elsewhere(group, rank, where)
         # where peers are elsewhere or never arrived, the likely cause is a call some ranks did not make
         hint = (" Every rank of the group must make the same calls: an MoELayer is collective, so every rank of its "
                 "EP group must call it (forward, and backward when training), also in eval mode and under "

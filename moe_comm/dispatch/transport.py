@@ -156,7 +156,7 @@ class AllToAll(Transport):
         (out, recv), error = self.local(buffers, "receive buffer")
         where = self.arrive(plan, phase, direction)
         t0 = self.timeline.mark()
-        with issuing(self.group, f"{phase} ({direction}) {self.what} of {plan.label}", self.rank):
+        with issuing(self.group, f"{phase} ({direction}) {self.what} of {plan.label}", self.rank, where):
             work = all_to_all_v_async(recv, src_NH, plan.recv_splits_W, plan.send_splits_W, self.group)
         self.timeline.comm(phase, work, chunk=plan.chunk, direction=direction, start=t0)
         regroup = None if plan.expert_index_R is None else (recv, plan.expert_index_R)
@@ -179,7 +179,7 @@ class AllToAll(Transport):
                 error = err
         where = self.arrive(plan, phase, direction)
         t0 = self.timeline.mark()
-        with issuing(self.group, f"{phase} ({direction}) {self.what} of {plan.label}", self.rank):
+        with issuing(self.group, f"{phase} ({direction}) {self.what} of {plan.label}", self.rank, where):
             work = all_to_all_v_async(out_NH, src_RH, plan.send_splits_W, plan.recv_splits_W, self.group)
         self.timeline.comm(phase, work, chunk=plan.chunk, direction=direction, start=t0)
         return InFlight(self, [work], out_NH, phase, plan.chunk, direction, keep=(src_RH,), where=where, error=error)
@@ -216,7 +216,7 @@ class PointToPoint(Transport):
         by_dest, by_expert = self._segments(plan, back=False)
         where = self.arrive(plan, phase, direction)
         t0 = self.timeline.mark()
-        with issuing(self.group, f"{phase} ({direction}) {self.what} of {plan.label}", self.rank):
+        with issuing(self.group, f"{phase} ({direction}) {self.what} of {plan.label}", self.rank, where):
             works = issue_segments(out, src_NH, by_dest, by_expert, self.group)
         return InFlight(self, works, out, phase, plan.chunk, direction, keep=(src_NH,), start=t0, timed=True,
                         where=where, error=error)
@@ -226,7 +226,7 @@ class PointToPoint(Transport):
         by_dest, by_expert = self._segments(plan, back=True)
         where = self.arrive(plan, phase, direction)
         t0 = self.timeline.mark()
-        with issuing(self.group, f"{phase} ({direction}) {self.what} of {plan.label}", self.rank):
+        with issuing(self.group, f"{phase} ({direction}) {self.what} of {plan.label}", self.rank, where):
             works = issue_segments(out_NH, src_RH, by_expert, by_dest, self.group)
         return InFlight(self, works, out_NH, phase, plan.chunk, direction, keep=(src_RH,), start=t0, timed=True,
                         where=where, error=error)

@@ -423,3 +423,35 @@ def test_set_step_takes_an_int_or_none_and_every_header_carries_it():
     finally:
         moe_comm.set_step(None)
     assert header(Phase.FORWARD, dispatcher=0, call=1, chunks=1, experts=4, world=2)[Word.STEP] == -1
+
+
+def _rank_issue_fails(rank, world_size):
+    """A transfer whose issue fails at once (a dead peer's socket closed): the error names the peers recorded
+    elsewhere, as a failed wait does. Before, only a failed wait named them: a race decided which one a dead
+    peer showed (seen once in CI: 'issuing the combine ... failed' without the peer)."""
+    import torch.distributed as dist
+    from moe_comm.comm.collectives import issuing, record_arrival
+    group = dist.new_group(list(range(world_size)))  # a fresh group: poisoning it spares the pool's WORLD
+    record_arrival(group, "the dispatch (fwd) transfer of chunk 0 of call 7" if rank == 0 else "the start of step 3")
+    dist.barrier(group=group)
+    time.sleep(0.3)  # the arrival writer coalesces for 5 ms
+    if rank != 0:
+        return "recorded"
+
+    def closed_socket():
+        raise RuntimeError("Connection reset by peer")
+    return outcome_of(lambda: _issue(issuing, group, closed_socket))
+
+
+def _issue(issuing, group, fn):
+    with issuing(group, "combine (fwd) point-to-point transfer of chunk 0", 0,
+                 "the dispatch (fwd) transfer of chunk 0 of call 7"):
+        fn()
+
+
+@pytest.mark.multirank
+def test_a_failed_issue_names_the_peers_elsewhere(ranks):
+    first, second = ranks(2).run(_rank_issue_fails)
+    assert first.startswith("CollectiveError:") and "issuing the combine" in first, first
+    assert "Peers not at this exchange: EP rank 1 last at the start of step 3" in first, first
+    assert second == "recorded"
