@@ -300,12 +300,13 @@ class Channel:
         todo = earlier + ([] if pending is None else [pending])
         if sticky:  # device calls: the first failed exchange since the last read, its rows as it received them
             B = HEADER_WORDS + MESSAGE_WORDS
-            failed_any, rows = int(values[-1]), values[-1 - self.world * B:-1].reshape(self.world, B).tolist()
+            failed_any = int(values[-1])
+            rows = values[-1 - self.world * B:-1].reshape(self.world, B).tolist()  # host sync: none, numpy
             values = values[:-1 - self.world * B]
             if failed_any:
                 self._raise_sticky(rows)
         if folded is not None:
-            bad_call, bad_W = int(values[-1]), values[-1 - self.world:-1].tolist()
+            bad_call, bad_W = int(values[-1]), values[-1 - self.world:-1].tolist()  # host sync: none, numpy
             values = values[:-1 - self.world]
             if bad_call >= 0:
                 first, last = folded[2], folded[3]
@@ -323,7 +324,8 @@ class Channel:
             at += 2 * W * p.read
         for i, p in enumerate(todo):
             try:
-                self._check(p, both[i][1][:, :HEADER_WORDS + MESSAGE_WORDS].tolist(), deferred=i < len(earlier))
+                rows = both[i][1][:, :HEADER_WORDS + MESSAGE_WORDS].tolist()  # host sync: none, numpy
+                self._check(p, rows, deferred=i < len(earlier))
             except Exception:
                 if i < len(earlier) and pending is not None:
                     # A deferred failure raised at this later exchange: ranks may stand at different calls

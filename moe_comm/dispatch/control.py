@@ -138,7 +138,8 @@ class CallControl:
             self._stream = send_rows.streams(int(rows[:, Word.ROWS].max()) * row_bytes)
         else:
             send_WCe, recv_WCe = slots_sent_WCe, slots_recv_WCe
-            kind = choose(W, e, C, rows[:, Word.ROWS].tolist(), row_bytes, self.direct_min_bytes)
+            rows_W = rows[:, Word.ROWS].tolist()  # host sync: none, the exchange read to numpy
+            kind = choose(W, e, C, rows_W, row_bytes, self.direct_min_bytes)
             regroup = regroup and kind.regroups and e > 1
             if regroup and expert_fn is not None:
                 block_rows = float(recv_WCe.sum()) / (W * e * C)

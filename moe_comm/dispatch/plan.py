@@ -254,7 +254,7 @@ def build_chunk_plans(send_WCe: np.ndarray, recv_WCe: np.ndarray, recv_counts_WC
     slots_WCe = recv_WCe if recv_slots_WCe is None else np.asarray(recv_slots_WCe)
     send_CW, recv_CW = send_WCe.sum(2).T, recv_WCe.sum(2).T
     offsets_C = np.cumsum(send_CW.sum(1)) - send_CW.sum(1)
-    recv_C = recv_CW.sum(1).tolist()
+    recv_C = recv_CW.sum(1).tolist()  # host sync: none, numpy host arrays here and below
     if recv_counts_WCe.device.type == "cpu" and sum(recv_C) <= HOST_INDEX_MAX_ROWS:
         # the host counts are the same numbers: numpy, without torch's per-op overhead
         tokens_Ce = torch.from_numpy(slots_WCe.sum(0))
@@ -262,8 +262,8 @@ def build_chunk_plans(send_WCe: np.ndarray, recv_WCe: np.ndarray, recv_counts_WC
     else:
         tokens_Ce = recv_counts_WCe.sum(0)  # one device op for every chunk
         index = chunk_expert_major_index(recv_counts_WCe.transpose(0, 1), recv_C) if regroup else ([None] * C,) * 2
-    send_CWe, recv_CWe = send_WCe.transpose(1, 0, 2).tolist(), recv_WCe.transpose(1, 0, 2).tolist()
-    counts_Ce, send_CW, recv_CW = slots_WCe.sum(0).tolist(), send_CW.tolist(), recv_CW.tolist()
+    send_CWe, recv_CWe = send_WCe.transpose(1, 0, 2).tolist(), recv_WCe.transpose(1, 0, 2).tolist()  # host sync: none
+    counts_Ce, send_CW, recv_CW = slots_WCe.sum(0).tolist(), send_CW.tolist(), recv_CW.tolist()  # host sync: none
     return [ChunkPlan(chunk=c, call=call, send_We=send_CWe[c], recv_We=recv_CWe[c], row_offset=int(offsets_C[c]),
                       tokens_per_expert_e=tokens_Ce[c], counts_e=counts_Ce[c], expert_index_R=index[0][c],
                       source_index_R=index[1][c], rank_major=rank_major, send_W=send_CW[c], recv_W=recv_CW[c])
