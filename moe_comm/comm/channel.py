@@ -59,6 +59,7 @@ class Pending:
     waited: bool = False
     read: int = HEADER_WORDS + MESSAGE_WORDS  # the words of each row the host reads: header, message, used slots
     call_dev: Optional[torch.Tensor] = None  # the call number on the device (device calls)
+    bad_W: Optional[torch.Tensor] = None  # ``Channel._bad_W``, once computed (device calls check it twice)
 
 
 class _GroupReads:
@@ -67,7 +68,7 @@ class _GroupReads:
     a forward opened since (``Channel.opens_backward``)."""
 
     def __init__(self):
-        self.active: List["Channel"] = []
+        self.active: Dict[int, "Channel"] = {}  # id -> channel: a constant-time add on every exchange
         self.fresh = False
 
 
@@ -186,8 +187,7 @@ class Channel:
         if self.reads_with_group:
             reads = self.group_reads
             reads.fresh = reads.fresh or phase in (Phase.FORWARD, Phase.DISPATCH)
-            if all(c is not self for c in reads.active):
-                reads.active.append(self)
+            reads.active.setdefault(id(self), self)
         message = None if local_error is None else f"{type(local_error).__name__}: {local_error}"
         if self.late is not None:  # this exchange carries it (with this rank's own failure, if any, first)
             (late, where), self.late = self.late, None
@@ -256,14 +256,13 @@ class Channel:
         last such read (in construction order; the same on every rank) in one host read; raises the first
         failure on every rank alike. Call ``adopt_late`` before issuing ``pending``."""
         reads = self.group_reads
-        channels, reads.active = reads.active, []
-        if all(c is not self for c in channels):
-            channels.append(self)
-        read_deferred(sorted(channels, key=lambda c: c.index), pending=pending, owner=self)
+        reads.active.setdefault(id(self), self)
+        channels, reads.active = reads.active, {}
+        read_deferred(sorted(channels.values(), key=lambda c: c.index), pending=pending, owner=self)
 
     def adopt_late(self) -> None:
         """Carry a failure another channel of the group read holds for its next exchange in this one's next."""
-        for c in self.group_reads.active:
+        for c in self.group_reads.active.values():
             if self.late is None and c is not self and c.late is not None:
                 self.late, self.late_call, c.late = c.late, c.late_call, None
 
@@ -381,6 +380,8 @@ class Channel:
     def _bad_W(self, p: Pending) -> torch.Tensor:
         """[W] bool on the device: the ranks whose row in ``p`` shows a failure, a foreign row or a
         disagreement with this rank's own row (what it sent). A fixed dozen device ops whatever W."""
+        if p.bad_W is not None:
+            return p.bad_W
         self.wait(p)
         rows, own = p.recv_WX[:, :HEADER_WORDS], p.send_WX[0, :HEADER_WORDS]
         differs = rows != own
@@ -389,6 +390,7 @@ class Channel:
         bad |= (differs[:, sized] & (rows[:, sized] >= 0) & (own[sized] >= 0)).any(1)
         bad |= differs[:, Word.TOP_K] & (rows[:, Word.TOP_K] >= 0) & (own[Word.TOP_K] >= 0)
         bad |= (rows[:, Word.FAILED] != Failure.NONE) | (rows[:, Word.BAD_IDS] > 0) | (rows[:, Word.NONFINITE] > 0)
+        p.bad_W = bad
         return bad
 
     def _fold(self, p: Pending) -> None:
