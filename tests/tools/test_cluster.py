@@ -30,7 +30,8 @@ r, W = dist.get_rank(), dist.get_world_size()
 out = torch.empty(W, 3)
 dist.all_to_all_single(out, torch.full((W, 3), float(r)))
 assert out[:, 0].tolist() == [float(i) for i in range(W)], out
-print(f"rank {r} of {W} on node {os.environ['MOE_COMM_NODE_RANK']} group {os.environ['GROUP_RANK']} ok", flush=True)
+# one write(2) per line: print's text and newline are two writes under PYTHONUNBUFFERED, and ranks interleave
+os.write(1, f"rank {r} of {W} on node {os.environ['MOE_COMM_NODE_RANK']} group {os.environ['GROUP_RANK']} ok\n".encode())
 dist.destroy_process_group()
 """
 
