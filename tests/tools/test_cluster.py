@@ -31,7 +31,8 @@ out = torch.empty(W, 3)
 dist.all_to_all_single(out, torch.full((W, 3), float(r)))
 assert out[:, 0].tolist() == [float(i) for i in range(W)], out
 # one write(2) per line: print's text and newline are two writes under PYTHONUNBUFFERED, and ranks interleave
-os.write(1, f"rank {r} of {W} on node {os.environ['MOE_COMM_NODE_RANK']} group {os.environ['GROUP_RANK']} ok\n".encode())
+node, group = os.environ["MOE_COMM_NODE_RANK"], os.environ["GROUP_RANK"]
+os.write(1, f"rank {r} of {W} on node {node} group {group} ok\n".encode())
 dist.destroy_process_group()
 """
 
