@@ -22,11 +22,15 @@ experts, float32; moe_comm with its defaults, C = 1), so all compute the same fu
   passes over the rows and nothing else (no checks, failure protocol, timeline or monitor); "plain" = its
   overhead / a peer's is where a minimal layer stands against that peer, and ours/plain what moe_comm's own
   work costs on top.
-- the failure protocol's price: three control exchanges ([W, width] int64 ``all_to_all_single``, the end of the
-  forward, the backward's check-in, the end of the backward), timed alone in the same rotation; "+checks" = (the
-  plain layer's overhead + that) / a peer's is where a plain layer would stand with moe_comm's exchanges added
-  and all of its other work at zero. An estimate, not a bound: inside a step the exchanges partly overlap other
-  ranks' work (at W = 4 on 2 cores moe_comm once read below it), and their host-side reads are left out.
+- "moe_comm, closing exchanges": moe_comm with an end-of-forward and end-of-backward exchange of their own, as
+  every call had before small calls carried their status in their last transfer (no verdict; what that saves).
+- the failure protocol's price: the control exchanges a moe_comm step makes beyond the plain layer's collectives
+  (counted: its collectives per step - the plain layer's; [W, width] int64 ``all_to_all_single``: the backward's
+  check-in, and the end of the forward and of the backward unless the call is small enough to carry its status in its
+  last transfer), timed alone in the same rotation; "+checks" = (the plain layer's overhead + that) / a peer's is
+  where a plain layer would stand with moe_comm's exchanges added and all of its other work at zero. An estimate, not
+  a bound: inside a step the exchanges partly overlap other ranks' work (at W = 4 on 2 cores moe_comm once read below
+  it), and their host-side reads are left out.
 
     python benchmarks/peers.py                                   # W = 2 and 4, default shapes
     python benchmarks/peers.py --world-sizes 2 --shapes 1024x512x256x8x2 --json out.json
@@ -68,7 +72,8 @@ ADAPTERS = (
 )
 GOAL = 0.5  # moe_comm's overhead <= 0.5 x each peer's
 BARE, RAW, PLAIN = "bare GEMMs", "4 x raw all-to-all", "plain torch"
-CONTROL = "3 x control exchange"  # what moe_comm's failure protocol adds to the plain layer's collectives per step
+CLOSING = "moe_comm, closing exchanges"  # moe_comm without the carried status (Dispatcher.carry_max_bytes -1)
+CONTROL = "control exchange"  # what moe_comm's failure protocol adds to the plain layer's collectives per step
 AGREE = 1e-5  # max |difference| / max |moe_comm's value|, output and input gradient: above it, no timing verdict
 
 
@@ -147,8 +152,12 @@ def _shape_main(rank, W, a, shape):
     cfg = moe_comm.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=K, score_func="softmax",
                              norm_topk_prob=True)
     ref = moe_comm.MoELayer(cfg, seed=1)
-    layers, skipped = {"moe_comm": ref, PLAIN: plain_torch.build(ref, dist.group.WORLD)}, {}
-    with_moe_comm = set()  # "framework + moe_comm" layers: no verdict against moe_comm
+    # moe_comm as it closed every phase before small calls carried their status in the last transfer: the same
+    # weights (seeded), the end-of-forward and end-of-backward exchanges of their own (what the carry saves)
+    closing = moe_comm.MoELayer(cfg, seed=1)
+    closing.dispatcher.carry_max_bytes = -1
+    layers, skipped = {"moe_comm": ref, CLOSING: closing, PLAIN: plain_torch.build(ref, dist.group.WORLD)}, {}
+    with_moe_comm = {CLOSING}  # moe_comm's own variant and "framework + moe_comm" layers: no verdict
     for name in a["peers"]:
         m = _adapter(name)
         if getattr(m, "WITH_MOE_COMM", False):
@@ -179,13 +188,14 @@ def _shape_main(rank, W, a, shape):
             dist.all_to_all_single(send, recv, plan.send_splits_W, plan.recv_splits_W)
 
     steps[RAW] = raw_a2a
-    # The failure protocol's price: a C = 1 step issues three control exchanges beyond the one that carries the
-    # counts (end of forward, backward check-in, end of backward), each [W, width] int64, as moe_comm's channel.
+    # The failure protocol's price: the control exchanges a step issues beyond the plain layer's collectives (the
+    # backward check-in; the ends of forward and backward unless carried in the last transfer), [W, width] int64.
+    extra = counts["moe_comm"]["collectives_per_step"] - counts[PLAIN]["collectives_per_step"]
     ctl_send = torch.zeros(W, ref.dispatcher.channel.width, dtype=torch.int64)
     ctl_recv = torch.empty_like(ctl_send)
 
     def control():
-        for _ in range(3):
+        for _ in range(extra):
             dist.all_to_all_single(ctl_recv, ctl_send)
 
     steps[CONTROL] = control
@@ -201,7 +211,7 @@ def _shape_main(rank, W, a, shape):
     bare, raw, control_s = times[BARE], statistics.median(times[RAW]), statistics.median(times[CONTROL])
     over = {n: [s - b for s, b in zip(times[n], bare)] for n in layers}
     out = {"shape": {"T": T, "H": H, "F": F, "E": E, "K": K}, "world_size": W, "bare_gemm_s": statistics.median(bare),
-           "raw_a2a_s": raw, "control_s": control_s, "layers": {}, "skipped": skipped}
+           "raw_a2a_s": raw, "control_s": control_s, "control_exchanges": extra, "layers": {}, "skipped": skipped}
     for n in over:
         entry = {"step_s": statistics.median(times[n]), "overhead_s": statistics.median(over[n])}
         if n in counts:  # ops per forward / backward, Python calls and collectives per step (this rank)
@@ -212,7 +222,7 @@ def _shape_main(rank, W, a, shape):
             entry["floor_ratio"] = raw / statistics.median(over[n])  # the lowest ours/theirs moving these rows
             # the plain layer's overhead / this one's: where a layer with the fewest passes stands against it
             entry["plain_ratio"] = statistics.median(over[PLAIN]) / statistics.median(over[n])
-            # the plain layer plus moe_comm's three extra control exchanges timed alone (an estimate: in a step they
+            # the plain layer plus moe_comm's extra control exchanges timed alone (an estimate: in a step they
             # partly overlap other ranks' work)
             entry["protocol_ratio"] = (statistics.median(over[PLAIN]) + control_s) / statistics.median(over[n])
             if n != PLAIN and n not in with_moe_comm:
@@ -258,7 +268,7 @@ def _print(results):
             sh = "x".join(str(s["shape"][k]) for k in "THFEK")
             t.add_row(str(s["world_size"]), sh, BARE, f"{s['bare_gemm_s'] * 1e3:.1f}", "", "", "", "")
             t.add_row("", "", RAW, f"{s['raw_a2a_s'] * 1e3:.1f}", "", "", "", "")
-            t.add_row("", "", CONTROL, f"{s['control_s'] * 1e3:.1f}", "", "", "", "")
+            t.add_row("", "", f"{s['control_exchanges']} x {CONTROL}", f"{s['control_s'] * 1e3:.1f}", "", "", "", "")
             for n, why in s["skipped"].items():
                 t.add_row("", "", n, "-", "-", f"skipped: {why}", "", "")
             for n, e in s["layers"].items():

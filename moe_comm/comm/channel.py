@@ -49,7 +49,7 @@ class Pending:
 
     phase: Phase
     send_WX: torch.Tensor
-    recv_WX: torch.Tensor
+    recv_WX: Optional[torch.Tensor]  # None until issued (or, carried, until its transfer completed)
     work: object
     where: str
     local_error: Optional[BaseException]
@@ -60,6 +60,7 @@ class Pending:
     read: int = HEADER_WORDS + MESSAGE_WORDS  # the words of each row the host reads: header, message, used slots
     call_dev: Optional[torch.Tensor] = None  # the call number on the device (device calls)
     bad_W: Optional[torch.Tensor] = None  # ``Channel._bad_W``, once computed (device calls check it twice)
+    carried: bool = False  # the phase's status came inside its last transfer (``Channel.carried``): no span of its own
 
 
 class _GroupReads:
@@ -181,6 +182,29 @@ class Channel:
         (BAD_IDS, NONFINITE, ROWS) computed on the device; slots_WS: optional [W, <=S] int64 per-destination
         counts; local_error / failed: this rank's failure, sent to every peer with its message; call_dev: the
         call number on the device (device calls), written over hdr's."""
+        W = self.world
+        pending = self._compose(phase, hdr, self.width, dynamic, slots_WS, local_error, failed, summed_X, call_dev)
+        if W == 1:
+            pending.recv_WX = pending.send_WX
+            return pending
+        record_arrival(self.group, pending.where)
+        pending.recv_WX = torch.empty_like(pending.send_WX)
+        with issuing(self.group, f"{PHASE_TEXT[phase]} control exchange", self.rank, pending.where):
+            pending.work = dist.all_to_all_single(pending.recv_WX, pending.send_WX, group=self.group, async_op=True)
+        return pending
+
+    def carried(self, phase: Phase, hdr: List[int], *, local_error: Optional[BaseException] = None,
+                failed: Failure = Failure.NONE) -> Pending:
+        """The status of a phase that travels inside the phase's last transfer instead of an exchange of its own
+        (``Transport.to_tokens(..., status=)``): ``send_WX`` [W, header + message] is what this rank sends every
+        peer; the transport fills ``recv_WX`` once the transfer completed, then ``end`` reads it as any exchange."""
+        pending = self._compose(phase, hdr, HEADER_WORDS + MESSAGE_WORDS, None, None, local_error, failed, None, None)
+        pending.waited, pending.carried = True, True
+        return pending
+
+    def _compose(self, phase: Phase, hdr: List[int], width: int, dynamic, slots_WS, local_error, failed, summed_X,
+                 call_dev) -> Pending:
+        """This rank's rows [W, width] of an exchange (what ``begin`` issues), in a Pending not yet issued."""
         check_usable(self.group, self.rank)
         W, dev = self.world, self.device
         hdr = list(hdr)
@@ -200,7 +224,7 @@ class Channel:
         if W == 1 and dynamic is not None:
             dev = dynamic.device  # one process: no collective; stay on the rows' device (no copy to the host)
         hdr[Word.FAILED] = int(failed)
-        send_WX = torch.zeros(W, self.width, dtype=torch.int64, device=dev)
+        send_WX = torch.zeros(W, width, dtype=torch.int64, device=dev)
         send_WX[:, :HEADER_WORDS + MESSAGE_WORDS] = self._header_row(hdr, message, dev, call_dev)
         if call_dev is not None:
             send_WX[:, Word.CALL] = call_dev
@@ -216,14 +240,7 @@ class Channel:
         pending_start = self.timeline.mark() if self.timeline is not None else None
         # the host reads the slots this call used (C x its words per chunk), not the whole counts area
         read = HEADER_WORDS + MESSAGE_WORDS + (0 if slots_WS is None else slots_WS.shape[1])
-        if W == 1:
-            return Pending(phase, send_WX, send_WX, None, where, local_error, failed, hdr[Word.CALL], pending_start,
-                           read=read, call_dev=call_dev)
-        record_arrival(self.group, where)
-        recv_WX = torch.empty_like(send_WX)
-        with issuing(self.group, f"{PHASE_TEXT[phase]} control exchange", self.rank, where):
-            work = dist.all_to_all_single(recv_WX, send_WX, group=self.group, async_op=True)
-        return Pending(phase, send_WX, recv_WX, work, where, local_error, failed, hdr[Word.CALL], pending_start,
+        return Pending(phase, send_WX, None, None, where, local_error, failed, hdr[Word.CALL], pending_start,
                        read=read, call_dev=call_dev)
 
     def end(self, pending: Optional[Pending]) -> Tuple[np.ndarray, np.ndarray]:
@@ -279,7 +296,7 @@ class Channel:
         todo = earlier + ([] if pending is None else [pending])
         for p in todo:
             self.wait(p)
-        if self.timeline is not None and pending is not None:
+        if self.timeline is not None and pending is not None and not pending.carried:
             span = "counts" if pending.phase in (Phase.FORWARD, Phase.DISPATCH) else "control"
             self.timeline.comm(span, None, direction=_direction(pending.phase), start=pending.start)
         folded, self.folded = self.folded, None

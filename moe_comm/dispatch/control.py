@@ -138,8 +138,7 @@ class CallControl:
             self._stream = send_rows.streams(int(rows[:, Word.ROWS].max()) * row_bytes)
         else:
             send_WCe, recv_WCe = slots_sent_WCe, slots_recv_WCe
-            rows_W = rows[:, Word.ROWS].tolist()  # host sync: none, the exchange read to numpy
-            kind = choose(W, e, C, rows_W, row_bytes, self.direct_min_bytes)
+            kind = choose(W, e, C, rows[:, Word.ROWS].tolist(), row_bytes, self.direct_min_bytes)  # host sync: none
             regroup = regroup and kind.regroups and e > 1
             if regroup and expert_fn is not None:
                 block_rows = float(recv_WCe.sum()) / (W * e * C)
@@ -150,9 +149,13 @@ class CallControl:
                                        call=pending.call, rank_major=rank_major)
         layout.set_num_rows(int(send_WCe.sum()))
         self.last_transport = kind.name
+        # Small calls close each phase inside its last transfer (no closing exchange): decided from numbers every
+        # rank holds alike (the settings, the transport, every rank's rows), so all ranks decide the same.
+        carry = (kind is AllToAll and self.end_check == "eager" and not self.sync_free
+                 and int(rows[:, Word.ROWS].max()) * row_bytes <= self.carry_max_bytes)  # host sync: none, numpy
         return DispatchHandle(layout=layout, chunks=chunks, call=pending.call, hidden_size=hidden,
                               transport=self.transport(kind), owner=id(self), rank_rows=rank_rows,
-                              slots_sent=int(slots_sent_WCe.sum()))
+                              slots_sent=int(slots_sent_WCe.sum()), carry=carry)
 
     def _exchange_status(self, phase: Phase, handle: DispatchHandle, error: Optional[BaseException] = None,
                          failed: Failure = Failure.NONE, chunk: int = -1, row_bytes: int = -1, dtype: int = -1,
@@ -187,6 +190,30 @@ class CallControl:
                 self.channel.read_group(pending)
             else:
                 self.channel.end(pending)
+
+    def _carried_status(self, phase: Phase, handle: DispatchHandle, error: Optional[BaseException], chunk: int):
+        """This rank's status of a phase that closes inside its last transfer (``handle.carry``): the rows of the
+        end-of-phase exchange ``_exchange_status`` would issue, not issued (``Channel.carried``)."""
+        hdr = self._header(phase, handle.call, len(handle.chunks))
+        hdr[Word.CHUNK] = chunk
+        return self.channel.carried(phase, hdr, local_error=error,
+                                    failed=Failure.NONE if error is None else Failure.RAISED)
+
+    def _read_carried(self, pending, error: Optional[BaseException]) -> None:
+        """Read a status that came in the phase's last transfer (complete): raises on every rank alike, as the
+        end-of-phase exchange would. When this rank could not unpack it (the transfer's rows arrived, the status
+        copy failed) its peers already read "no failure" from it: it raises alone, and its next exchange carries
+        the error so that every rank raises there."""
+        if pending.recv_WX is None:
+            err = error or RuntimeError(f"moe_comm: EP rank {self.rank}: the status rows of {pending.where} "
+                                        "could not be read")
+            if pending.failed == Failure.NONE:  # what its peers read; a failure it sent, they raise already
+                self.channel.carry(kept(err), f"the end of {pending.where}")
+            raise err
+        with self.workspace.dropped_on_error():
+            self.channel.end(pending)
+        if error is not None:  # not reached: the read raises this rank's own failure
+            raise error
 
     @contextlib.contextmanager
     def alone(self, where: str):

@@ -147,6 +147,8 @@ class NodeLevels:
                                direct_min_bytes=d.direct_min_bytes, dispatch_dtype=d.dispatch_dtype,
                                dispatch_scales=d.dispatch_scales, **common)
         self.inner = Dispatcher(L * d.num_local_experts, node_group, 1, **common)
+        for level in self.levels:  # each level closes with its own exchange, read before the whole group's
+            level.carry_max_bytes = -1
         # the node's calls run while the rail's transfers are in flight: scratch rows of their own
         self.inner.workspace = _NODE_WORKSPACE
         self._intra = [0, 0]  # this call's rows to the node's other ranks, (dispatch, combine) bytes

@@ -16,8 +16,10 @@ rank agreed on), and the end-of-phase control exchange carries its error to ever
 raise (``PeerFailed`` on the others, its own error on it): at once with end_check="eager"; with
 "deferred" and in the sync-free mode every rank, the failing one too, returns placeholder rows and all
 raise at their next read (the backward pass's first check-in, the next call, ``check()``), so every rank issues the
-same collectives meanwhile. A failed or timed-out transfer (CollectiveError) poisons the group instead:
-see ``moe_comm.comm``.
+same collectives meanwhile. A small eager call (``handle.carry``) has no end-of-phase exchange: each rank's status
+rows ride in the phase's last transfer, which goes out once the rank's outcome of the phase is known (after the
+last chunk's weight gradients), and are read like that exchange. A failed or timed-out transfer (CollectiveError)
+poisons the group instead: see ``moe_comm.comm``.
 
 The experts' own backward runs as a nested ``torch.autograd.backward`` per chunk (as reentrant
 activation checkpointing does): any differentiable ``expert_fn`` gets correct gradients, which are
@@ -82,6 +84,7 @@ class _Failure:
     def __init__(self):
         self.error: Optional[BaseException] = None
         self.chunk = -1
+        self.carried = None  # the phase's status when it travels in the last transfer (a channel Pending)
 
     def note(self, chunk: int, err: Optional[BaseException]) -> None:
         """Record ``err`` (None: nothing) unless an earlier failure is recorded."""
@@ -104,9 +107,20 @@ class _Failure:
             return None
         return out if self.error is None else None
 
+    def status(self, d, phase: Phase, handle, chunk: int, err: Optional[BaseException]):
+        """This rank's outcome of the phase, to travel in its last transfer (``handle.carry``); ``err``: that
+        transfer's own send-side failure."""
+        self.note(chunk, err)
+        self.carried = d._carried_status(phase, handle, self.error, chunk=self.chunk)
+        return self.carried
+
     def close(self, d, phase: Phase, handle, meanwhile=None):
         """The end-of-phase control exchange: raises on every rank if any rank failed (at the next read when
-        reads are deferred: then returns that exchange). ``meanwhile()`` runs while it travels."""
+        reads are deferred: then returns that exchange). ``meanwhile()`` runs while it travels. When the status
+        travelled in the phase's last transfer (completed by now) it is read instead: no exchange."""
+        if self.carried is not None:
+            d._read_carried(self.carried, self.error)
+            return None
         failed = Failure.NONE if self.error is None else Failure.RAISED
         pending = d._exchange_status(phase, handle, self.error, failed, chunk=self.chunk, deferrable=True,
                                      meanwhile=meanwhile)
@@ -243,6 +257,9 @@ def _schedule(run: _Run, src: Tuple[torch.Tensor, ...], out: Tuple[torch.Tensor,
         rows = [_wait(f, failure, c, chunks[c].num_recv, src[i]) for i, f in flights]
         return tuple(recv) if recv else tuple(rows)
 
+    # handle.carry (small eager calls): the phase's status rides in its last transfer, which then goes out once
+    # this rank's outcome of the phase is known (after the last chunk's ``after``): no closing exchange.
+    carry = handle.carry and not getattr(run.expert_fn, "takes_slot_rows", False)
     issue(0)
     if before is not None:
         failure.catch(0, before)
@@ -254,11 +271,21 @@ def _schedule(run: _Run, src: Tuple[torch.Tensor, ...], out: Tuple[torch.Tensor,
         results = failure.catch(c, compute, c, received, always=getattr(run.expert_fn, "takes_slot_rows", False))
         if results is None:  # this rank failed: placeholder rows of the agreed sizes keep the schedule
             results = tuple(buffer(c, lambda: o.new_empty(p.num_recv, o.shape[1])) for o in out)
-        back.append([(transport.to_tokens(r.narrow(0, q.recv_offset, q.num_recv), q,
-                                          o.narrow(0, q.row_offset, q.num_rows), phase=phases[1],
-                                          direction=direction), o)
-                     for q in p.parts for r, o in zip(results, out)])
-        if after is not None:
+        closing = carry and c == len(chunks) - 1
+        if closing and after is not None:
+            failure.catch(c, after, c)
+        pairs = [(q, r, o) for q in p.parts for r, o in zip(results, out)]
+        flights = []
+        for i, (q, r, o) in enumerate(pairs):
+            status = {}
+            if closing and i == len(pairs) - 1:
+                status["status"] = lambda err, c=c: failure.status(d, end, handle, c, err)
+            f = transport.to_tokens(r.narrow(0, q.recv_offset, q.num_recv), q, o.narrow(0, q.row_offset, q.num_rows),
+                                    phase=phases[1], direction=direction, **status)
+            failure.note(c, getattr(f, "error", None))  # a send-side failure: placeholder rows from here on
+            flights.append((f, o))
+        back.append(flights)
+        if after is not None and not closing:
             failure.catch(c, after, c)
 
     def wait_back() -> None:
@@ -267,14 +294,13 @@ def _schedule(run: _Run, src: Tuple[torch.Tensor, ...], out: Tuple[torch.Tensor,
                 _wait(f, failure, c, chunks[c].num_rows, o)
 
     # Once the last rows are on their way back, this rank's outcome of the phase is known: a transfer's own
-    # send-side failure is recorded when it is issued (InFlight.error), and waiting for rows that go back adds
-    # no work that can fail (no receive-side regroup) - only a CollectiveError, which poisons the group. So with
-    # a deferred read the end-of-phase exchange goes out now and travels while the last transfers complete (one
-    # round trip less on the phase's path). Not with an eager read: a rank whose wait then times out (gloo) would
-    # already have told its peers "no failure", and they would return from the call it raised in.
-    for c, flights in enumerate(back):
-        for f, _ in flights:
-            failure.note(c, getattr(f, "error", None))
+    # send-side failure is recorded when it is issued (InFlight.error, noted above), and waiting for rows that go
+    # back adds no work that can fail (no receive-side regroup) - only a CollectiveError, which poisons the group.
+    # So with a deferred read the end-of-phase exchange goes out now and travels while the last transfers complete
+    # (one round trip less on the phase's path). Not with an eager read: a rank whose wait then times out (gloo)
+    # would already have told its peers "no failure", and they would return from the call it raised in. A carried
+    # status (handle.carry) takes that risk only where one link fails alone: a stalled or dead rank's rows are
+    # missing on every peer, so every peer times out in the same transfer.
     early = (d.sync_free or d.end_check == "deferred") and all(
         type(f) is InFlight and f.regroup is None for flights in back for f, _ in flights)
     if not early:

@@ -108,6 +108,7 @@ class DispatchHandle:
     rank_rows: Optional[RankRows] = None  # one copy per (token, rank): layout is rank_rows.layout
     slots_sent: int = 0  # routed slots this rank sent (= layout.num_rows unless one copy per rank)
     call_dev: Optional[torch.Tensor] = None  # the call number on the device (sync-free device calls)
+    carry: bool = False  # a pipelined call's phases close inside their last transfer (``Dispatcher.carry_max_bytes``)
 
     @property
     def direct(self) -> bool:

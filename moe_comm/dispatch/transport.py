@@ -42,11 +42,12 @@ class InFlight:
 
     def __init__(self, transport: "Transport", works: list, result: torch.Tensor, phase: str, chunk: int,
                  direction: str, keep: Tuple = (), regroup: Optional[Tuple] = None, start=None, timed: bool = False,
-                 where: Optional[str] = None, error: Optional[BaseException] = None):
+                 where: Optional[str] = None, error: Optional[BaseException] = None, unpack=None):
         self.t, self.works, self.result, self.keep = transport, works, result, keep
         self.phase, self.chunk, self.direction, self.regroup = phase, chunk, direction, regroup
         self.start, self.timed = start, timed
         self.done, self.where, self.error = False, where, error
+        self.unpack = unpack  # a status-carrying transfer: splits its rows from the status rows once complete
 
     def wait(self) -> torch.Tensor:
         if self.done:
@@ -57,7 +58,10 @@ class InFlight:
                       what=t.what, group=t.group, where=self.where)
         if self.timed:  # point-to-point: several Works; the span ends when the last one was waited for
             t.timeline.comm(self.phase, None, chunk=self.chunk, direction=self.direction, start=self.start)
-        self.done, self.keep, self.works = True, (), []
+        self.done, self.works = True, []
+        if self.unpack is not None:  # the status is read even when this rank's own rows were placeholders
+            self.unpack()
+        self.keep = ()
         if self.error is not None:
             raise self.error
         if self.regroup is not None:
@@ -163,7 +167,7 @@ class AllToAll(Transport):
         return InFlight(self, [work], out, phase, plan.chunk, direction, keep=(src_NH, recv), regroup=regroup,
                         where=where, error=error)
 
-    def to_tokens(self, src_RH, plan, out_NH, *, phase, direction):
+    def to_tokens(self, src_RH, plan, out_NH, *, phase, direction, status=None):
         error = None
         if plan.source_index_R is not None:
             def regroup():
@@ -177,12 +181,53 @@ class AllToAll(Transport):
                 if as_collective_error(err):
                     raise
                 error = err
+        if status is not None:
+            return self._carrying(src_RH, plan, out_NH, phase, direction, error, status(error))
         where = self.arrive(plan, phase, direction)
         t0 = self.timeline.mark()
         with issuing(self.group, f"{phase} ({direction}) {self.what} of {plan.label}", self.rank, where):
             work = all_to_all_v_async(out_NH, src_RH, plan.send_splits_W, plan.recv_splits_W, self.group)
         self.timeline.comm(phase, work, chunk=plan.chunk, direction=direction, start=t0)
         return InFlight(self, [work], out_NH, phase, plan.chunk, direction, keep=(src_RH,), where=where, error=error)
+
+    def _carrying(self, src_RH, plan, out_NH, phase, direction, error, pending) -> InFlight:
+        """to_tokens with the phase's status (``pending.send_WX`` [W, B] int64, ``Channel.carried``) in ``s`` extra
+        rows after each destination's rows, in the same all-to-all: the phase needs no closing exchange of its own.
+        Costs a copy of the rows each way (they are packed around the status rows and unpacked into out_NH)."""
+        W, row_bytes = self.world, src_RH.shape[1] * src_RH.element_size()
+        status_WB = pending.send_WX
+        s = -(-status_WB.shape[1] * 8 // row_bytes)  # status rows per destination
+        back, sent = plan.recv_splits_W, plan.send_splits_W  # rows to each rank now, rows from each (its sent ones)
+
+        def pack():
+            status = torch.zeros(W, s * row_bytes, dtype=torch.uint8, device=src_RH.device)
+            status[:, :status_WB.shape[1] * 8] = status_WB.to(src_RH.device).view(torch.uint8)
+            status = status.view(W, s, row_bytes)
+            rows = _rows_as_bytes(src_RH.contiguous()).split(back)
+            send = torch.cat([t for w in range(W) for t in (rows[w], status[w])])  # [rows of w, s status rows] per w
+            return send, send.new_empty(sum(sent) + W * s, row_bytes)
+
+        # a failure that a second try mends is not a failure of the phase (its status already says "none")
+        (send, recv), _ = self.local(pack, "status rows")
+
+        def unpack() -> None:
+            parts = recv.split([n for m in sent for n in (m, s)])
+            torch.cat(parts[0::2], out=_rows_as_bytes(out_NH))
+            got = torch.stack(parts[1::2]).reshape(W, s * row_bytes)[:, :status_WB.shape[1] * 8]
+            pending.recv_WX = got.contiguous().view(torch.int64).to(status_WB.device)
+
+        where = self.arrive(plan, phase, direction)
+        t0 = self.timeline.mark()
+        with issuing(self.group, f"{phase} ({direction}) {self.what} of {plan.label}", self.rank, where):
+            work = all_to_all_v_async(recv, send, [m + s for m in sent], [m + s for m in back], self.group)
+        self.timeline.comm(phase, work, chunk=plan.chunk, direction=direction, start=t0)
+        return InFlight(self, [work], out_NH, phase, plan.chunk, direction, keep=(send, recv), where=where,
+                        error=error, unpack=unpack)
+
+
+def _rows_as_bytes(x_RH: torch.Tensor) -> torch.Tensor:
+    """[R, H] contiguous rows as [R, H x element size] uint8 (a view)."""
+    return x_RH.view(torch.uint8).reshape(x_RH.shape[0], x_RH.shape[1] * x_RH.element_size())
 
 
 class PointToPoint(Transport):

@@ -21,6 +21,10 @@ from outcome import outcome_of
 H = 8
 # (transport, direct_min_bytes): point-to-point needs e > 1 (E = 2W) and a threshold of 0.
 TRANSPORTS = (("all_to_all", 1 << 40), ("point_to_point", 0))
+# the pipelined calls' all-to-all, both ways its phases close: inside their last transfer (small calls, the default
+# here) and with an end-of-phase exchange of their own (Dispatcher.carry_max_bytes -1)
+PIPELINE_TRANSPORTS = (("all_to_all", 1 << 40, None), ("all_to_all+end_exchange", 1 << 40, -1),
+                       ("point_to_point", 0, None))
 
 
 def _inputs(rank, E, T=7, K=2, seed=0):
@@ -50,12 +54,14 @@ class _RaiseInBackward(torch.autograd.Function):
 
 
 def _rank_pipeline_faults(rank, world_size, bad):
-    """Every pipelined-call fault, for both transports and C = 1, 3; returns
+    """Every pipelined-call fault, for each of PIPELINE_TRANSPORTS and C = 1, 3; returns
     {(case, transport, C): (outcome, next call works)}."""
     out = {}
-    for name, threshold in TRANSPORTS:
+    for name, threshold, carry in PIPELINE_TRANSPORTS:
         E = 2 * world_size
         d = moe_comm.Dispatcher(num_experts=E, direct_min_bytes=threshold, timeout=30.0)
+        if carry is not None:
+            d.carry_max_bytes = carry
         for C in (1, 3):
             x, idx, w = _inputs(rank, E, T=9)
             me = rank == bad
@@ -123,7 +129,7 @@ EXPECT = {  # case -> (error type on the bad rank, on the others, text every ran
 def test_pipeline_faults_raise_everywhere_and_the_next_call_works(ranks, world_size):
     bad = world_size - 1
     res = ranks(world_size).run(_rank_pipeline_faults, bad, timeout=240)
-    assert len(res[0]) == len(EXPECT) * 2 * 2
+    assert len(res[0]) == len(EXPECT) * len(PIPELINE_TRANSPORTS) * 2
     for key in res[0]:
         case = key[0]
         bad_type, other_type, needle = EXPECT[case]

@@ -55,6 +55,7 @@ def _fake_call(W, e, C, T=512, K=4, seed=0):
     d = Dispatcher.__new__(Dispatcher)
     d.world_size, d.num_local_experts, d.dispatch_dtype, d.direct_min_bytes = W, e, None, 1 << 60
     d.last_transport, d.backend = "", "torch"
+    d.end_check, d.max_tokens_per_rank, d.carry_max_bytes = "eager", None, 1 << 20
     d.transport = lambda kind: kind.name
     g = torch.Generator().manual_seed(seed)
     lay = ops.make_layout(torch.randint(0, W * e, (T, K), generator=g), W * e, num_ranks=W, num_chunks=C,

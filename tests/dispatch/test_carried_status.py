@@ -1,0 +1,165 @@
+"""Tier 2 (multi-rank gloo): an eager call whose ranks each send at most ``Dispatcher.carry_max_bytes`` of rows
+closes each phase inside its last transfer (its status rows ride after each destination's rows) instead of an
+end-of-phase exchange of its own: two collectives fewer per training step, the same outputs and gradients bit for
+bit, and the same failure behaviour - including a failure in the last chunk's weight gradients, which now runs
+before that transfer goes out."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import moe_comm
+from moe_comm import _wgrad
+from moe_comm.dispatch import transport
+from outcome import outcome_of
+
+H = 8
+
+
+@contextlib.contextmanager
+def _counted_all_to_alls():
+    """Counts dist.all_to_all_single calls (every exchange and every transfer of the all-to-all transport)."""
+    n, original = [0], dist.all_to_all_single
+
+    def counted(*args, **kwargs):
+        n[0] += 1
+        return original(*args, **kwargs)
+    dist.all_to_all_single = counted
+    try:
+        yield n
+    finally:
+        dist.all_to_all_single = original
+
+
+def _layer(world_size, C, carry, dedup=False):
+    cfg = moe_comm.MoEConfig(hidden_size=H, ffn_hidden_size=16, num_experts=2 * world_size, top_k=2, num_chunks=C,
+                             dedup=dedup)
+    layer = moe_comm.MoELayer(cfg, seed=1, timeout=30.0, monitor=False)
+    layer.dispatcher.carry_max_bytes = carry
+    return layer
+
+
+def _rank_counts_and_values(rank, world_size):
+    out = {}
+    for C, dedup in ((1, False), (3, False), (2, True)):
+        x = torch.randn(12, H, generator=torch.Generator().manual_seed(rank))
+        got = {}
+        bound = 12 * 2 * H * 4  # every rank sends 12 tokens x top-2 rows of H float32 (one copy per slot)
+        variants = (("carried", 1 << 20), ("exchange", -1)) + (
+            () if dedup else (("at_bound", bound), ("above_bound", bound - 1)))
+        for name, carry in variants:
+            layer = _layer(world_size, C, carry, dedup)
+            xg = x.clone().requires_grad_(True)
+            layer(xg).square().sum().backward()  # warm
+            layer.zero_grad()
+            xg.grad = None
+            with _counted_all_to_alls() as n:
+                y = layer(xg)
+                y.square().sum().backward()
+            got[name] = (n[0], y.detach(), xg.grad, [p.grad.clone() for p in layer.parameters()])
+        out[(C, dedup)] = (
+            {k: v[0] for k, v in got.items()},
+            all(torch.equal(a, b) for k in got if k != "carried"
+                for a, b in zip([got["carried"][1], got["carried"][2]] + got["carried"][3],
+                                [got[k][1], got[k][2]] + got[k][3])))
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_small_calls_close_inside_their_last_transfer_with_equal_results(ranks, world_size):
+    for per_rank in ranks(world_size).run(_rank_counts_and_values, timeout=120):
+        for (C, dedup), (counts, equal) in per_rank.items():
+            assert equal, (C, dedup)  # outputs, input and every parameter gradient bit for bit
+            # two closing exchanges fewer per step (end of forward, end of backward); the check-in stays
+            assert counts["exchange"] - counts["carried"] == 2, (C, dedup, counts)
+            if not dedup:  # control + C transfers each way, check-in + C each way; + 2 end exchanges
+                assert counts["carried"] == 2 + 4 * C, (C, counts)
+                # the bound is on the most bytes of rows any rank sends: at it carried, one byte below not
+                assert counts["at_bound"] == counts["carried"] and counts["above_bound"] == counts["exchange"], counts
+
+
+def _rank_weight_grads_fault(rank, world_size, bad, C, carry):
+    layer = _layer(world_size, C, carry)
+    steps = []
+    for step in range(3):
+        x = torch.randn(12, H, generator=torch.Generator().manual_seed(10 * step + rank), requires_grad=True)
+        layer.zero_grad(set_to_none=True)
+        original = _wgrad.WeightGrads.run
+        calls = [0]
+
+        def run(self, sums=None):  # the last chunk's weight gradients fail on the bad rank, in step 1
+            calls[0] += 1
+            if rank == bad and step == 1 and calls[0] == C:
+                raise RuntimeError("injected weight-gradient fault")
+            return original(self, sums)
+        _wgrad.WeightGrads.run = run
+        try:
+            text = outcome_of(lambda: layer(x).sum().backward())
+        finally:
+            _wgrad.WeightGrads.run = original
+        steps.append((text, any(p.grad is not None for p in layer.experts.parameters())))
+    return steps
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("C,carry", [(1, 1 << 20), (3, 1 << 20), (1, -1)])
+def test_a_failure_in_the_last_chunks_weight_gradients_raises_on_every_rank(ranks, C, carry):
+    """The last chunk's weight gradients run before the transfer that carries the phase's status (carried) or
+    before the end-of-backward exchange (not carried): either way every rank raises in that backward, naming the
+    failing rank, no expert has a gradient on any rank, and the next step works."""
+    bad = 1
+    for rank, steps in enumerate(ranks(2).run(_rank_weight_grads_fault, bad, C, carry, timeout=120)):
+        (first, moved0), (failed, moved1), (third, moved2) = steps
+        assert first == "value" and third == "value" and moved0 and moved2, (rank, steps)
+        want = "RuntimeError" if rank == bad else "PeerFailed"
+        assert failed.startswith(want + ":") and "injected weight-gradient fault" in failed, (rank, failed)
+        assert f"[{bad}]" in failed, (rank, failed)
+        assert not moved1, (rank, "an expert got a gradient from the failed backward")
+
+
+def _rank_unpack_fault(rank, world_size, bad):
+    d = moe_comm.Dispatcher(num_experts=2 * world_size, timeout=30.0)
+    g = torch.Generator().manual_seed(rank)
+    x, idx, w = torch.randn(9, H, generator=g), torch.rand(9, 2 * world_size, generator=g).argsort(1)[:, :2], \
+        torch.rand(9, 2, generator=g)
+    original = transport.InFlight.wait
+
+    def wait(self):  # the bad rank cannot copy the status rows out of the forward's last transfer, once
+        if self.unpack is not None and rank == bad and not hit:
+            hit.append(1)
+
+            def fail():
+                raise RuntimeError("injected status unpack fault")
+            self.unpack = fail
+        return original(self)
+    hit = []
+    transport.InFlight.wait = wait
+    try:
+        with torch.no_grad():
+            first = outcome_of(lambda: d(x, idx, w, lambda t, c: t * 2.0))
+    finally:
+        transport.InFlight.wait = original
+    with torch.no_grad():
+        second = outcome_of(lambda: d(x, idx, w, lambda t, c: t * 2.0))
+        third = outcome_of(lambda: d(x, idx, w, lambda t, c: t * 2.0))
+    return first, second, third
+
+
+@pytest.mark.multirank
+def test_a_status_this_rank_cannot_read_raises_here_and_at_every_rank_next(ranks):
+    """The rows arrived but this rank could not copy the status out: its peers read "no failure" from its own
+    status rows and return; it raises at once, and its next exchange carries the error, where every rank raises
+    naming it (as a failure after a call's last exchange). The call after works."""
+    bad = 1
+    for rank, (first, second, third) in enumerate(ranks(2).run(_rank_unpack_fault, bad, timeout=120)):
+        if rank == bad:
+            assert first.startswith("RuntimeError:") and "injected status unpack fault" in first, first
+        else:
+            assert first == "value", first
+        assert "injected status unpack fault" in second and "carried here" in second, (rank, second)
+        assert f"EP rank {bad}" in second, (rank, second)
+        assert third == "value", (rank, third)
