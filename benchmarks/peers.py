@@ -22,7 +22,7 @@ experts, float32; moe_comm with its defaults, C = 1), so all compute the same fu
   passes over the rows and nothing else (no checks, failure protocol, timeline or monitor); "plain" = its
   overhead / a peer's is where a minimal layer stands against that peer, and ours/plain what moe_comm's own
   work costs on top.
-- "moe_comm, closing exchanges": moe_comm with an end-of-forward and end-of-backward exchange of their own, as
+- "moe_comm, end exchanges": moe_comm with an end-of-forward and end-of-backward exchange of their own, as
   every call had before small calls carried their status in their last transfer (no verdict; what that saves).
 - the failure protocol's price: the control exchanges a moe_comm step makes beyond the plain layer's collectives
   (counted: its collectives per step - the plain layer's; [W, width] int64 ``all_to_all_single``: the backward's
@@ -72,7 +72,7 @@ ADAPTERS = (
 )
 GOAL = 0.5  # moe_comm's overhead <= 0.5 x each peer's
 BARE, RAW, PLAIN = "bare GEMMs", "4 x raw all-to-all", "plain torch"
-CLOSING = "moe_comm, closing exchanges"  # moe_comm without the carried status (Dispatcher.carry_max_bytes -1)
+CLOSING = "moe_comm, end exchanges"  # moe_comm without the carried status (Dispatcher.carry_max_bytes -1)
 CONTROL = "control exchange"  # what moe_comm's failure protocol adds to the plain layer's collectives per step
 AGREE = 1e-5  # max |difference| / max |moe_comm's value|, output and input gradient: above it, no timing verdict
 

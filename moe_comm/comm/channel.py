@@ -193,12 +193,13 @@ class Channel:
             pending.work = dist.all_to_all_single(pending.recv_WX, pending.send_WX, group=self.group, async_op=True)
         return pending
 
-    def carried(self, phase: Phase, hdr: List[int], *, local_error: Optional[BaseException] = None,
+    def carried(self, phase: Phase, hdr: List[int], words: int, *, local_error: Optional[BaseException] = None,
                 failed: Failure = Failure.NONE) -> Pending:
         """The status of a phase that travels inside the phase's last transfer instead of an exchange of its own
-        (``Transport.to_tokens(..., status=)``): ``send_WX`` [W, header + message] is what this rank sends every
-        peer; the transport fills ``recv_WX`` once the transfer completed, then ``end`` reads it as any exchange."""
-        pending = self._compose(phase, hdr, HEADER_WORDS + MESSAGE_WORDS, None, None, local_error, failed, None, None)
+        (``Transport.to_tokens(..., status=)``): ``send_WX`` [W, words >= header + message] is what this rank sends
+        every peer (zeros after the message); the transport fills ``recv_WX`` once the transfer completed, then
+        ``end`` reads its header and message as any exchange's."""
+        pending = self._compose(phase, hdr, words, None, None, local_error, failed, None, None)
         pending.waited, pending.carried = True, True
         return pending
 

@@ -191,12 +191,13 @@ class CallControl:
             else:
                 self.channel.end(pending)
 
-    def _carried_status(self, phase: Phase, handle: DispatchHandle, error: Optional[BaseException], chunk: int):
+    def _carried_status(self, phase: Phase, handle: DispatchHandle, error: Optional[BaseException], chunk: int,
+                        words: int):
         """This rank's status of a phase that closes inside its last transfer (``handle.carry``): the rows of the
-        end-of-phase exchange ``_exchange_status`` would issue, not issued (``Channel.carried``)."""
+        end-of-phase exchange ``_exchange_status`` would issue, ``words`` wide, not issued (``Channel.carried``)."""
         hdr = self._header(phase, handle.call, len(handle.chunks))
         hdr[Word.CHUNK] = chunk
-        return self.channel.carried(phase, hdr, local_error=error,
+        return self.channel.carried(phase, hdr, words, local_error=error,
                                     failed=Failure.NONE if error is None else Failure.RAISED)
 
     def _read_carried(self, pending, error: Optional[BaseException]) -> None:

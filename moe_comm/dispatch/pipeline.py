@@ -107,11 +107,11 @@ class _Failure:
             return None
         return out if self.error is None else None
 
-    def status(self, d, phase: Phase, handle, chunk: int, err: Optional[BaseException]):
-        """This rank's outcome of the phase, to travel in its last transfer (``handle.carry``); ``err``: that
-        transfer's own send-side failure."""
+    def status(self, d, phase: Phase, handle, chunk: int, err: Optional[BaseException], words: int):
+        """This rank's outcome of the phase, ``words`` int64 per destination, to travel in its last transfer
+        (``handle.carry``); ``err``: that transfer's own send-side failure."""
         self.note(chunk, err)
-        self.carried = d._carried_status(phase, handle, self.error, chunk=self.chunk)
+        self.carried = d._carried_status(phase, handle, self.error, self.chunk, words)
         return self.carried
 
     def close(self, d, phase: Phase, handle, meanwhile=None):
@@ -279,7 +279,7 @@ def _schedule(run: _Run, src: Tuple[torch.Tensor, ...], out: Tuple[torch.Tensor,
         for i, (q, r, o) in enumerate(pairs):
             status = {}
             if closing and i == len(pairs) - 1:
-                status["status"] = lambda err, c=c: failure.status(d, end, handle, c, err)
+                status["status"] = lambda err, words, c=c: failure.status(d, end, handle, c, err, words)
             f = transport.to_tokens(r.narrow(0, q.recv_offset, q.num_recv), q, o.narrow(0, q.row_offset, q.num_rows),
                                     phase=phases[1], direction=direction, **status)
             failure.note(c, getattr(f, "error", None))  # a send-side failure: placeholder rows from here on

@@ -25,6 +25,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from moe_comm.comm.channel import as_collective_error
+from moe_comm.comm.wire import HEADER_WORDS, MESSAGE_WORDS
 from moe_comm.comm.collectives import (REBUILD, CollectiveError, all_to_all_v_async, issue_segments, issuing, poison,
                                        record_arrival, wait_work)
 from moe_comm.dispatch.plan import ChunkPlan, call_text
@@ -182,7 +183,7 @@ class AllToAll(Transport):
                     raise
                 error = err
         if status is not None:
-            return self._carrying(src_RH, plan, out_NH, phase, direction, error, status(error))
+            return self._carrying(src_RH, plan, out_NH, phase, direction, error, status)
         where = self.arrive(plan, phase, direction)
         t0 = self.timeline.mark()
         with issuing(self.group, f"{phase} ({direction}) {self.what} of {plan.label}", self.rank, where):
@@ -190,21 +191,29 @@ class AllToAll(Transport):
         self.timeline.comm(phase, work, chunk=plan.chunk, direction=direction, start=t0)
         return InFlight(self, [work], out_NH, phase, plan.chunk, direction, keep=(src_RH,), where=where, error=error)
 
-    def _carrying(self, src_RH, plan, out_NH, phase, direction, error, pending) -> InFlight:
-        """to_tokens with the phase's status (``pending.send_WX`` [W, B] int64, ``Channel.carried``) in ``s`` extra
-        rows after each destination's rows, in the same all-to-all: the phase needs no closing exchange of its own.
-        Costs a copy of the rows each way (they are packed around the status rows and unpacked into out_NH)."""
+    def _carrying(self, src_RH, plan, out_NH, phase, direction, error, status) -> InFlight:
+        """to_tokens with the phase's status (``status(error, words)``: a ``Channel.carried`` Pending, its
+        ``send_WX`` [W, words] int64) in ``s`` extra rows after each destination's rows, in the same all-to-all: the
+        phase needs no closing exchange of its own. Costs a copy of the rows each way (packed around the status
+        rows, unpacked into out_NH)."""
         W, row_bytes = self.world, src_RH.shape[1] * src_RH.element_size()
+        s = -(-(HEADER_WORDS + MESSAGE_WORDS) * 8 // row_bytes)  # status rows per destination
+        # status words that fill the s rows exactly (no padding copy) when a row holds whole int64 words
+        pending = status(error, s * row_bytes // 8 if row_bytes % 8 == 0 else HEADER_WORDS + MESSAGE_WORDS)
         status_WB = pending.send_WX
-        s = -(-status_WB.shape[1] * 8 // row_bytes)  # status rows per destination
+        exact = status_WB.shape[1] * 8 == s * row_bytes
         back, sent = plan.recv_splits_W, plan.send_splits_W  # rows to each rank now, rows from each (its sent ones)
 
         def pack():
-            status = torch.zeros(W, s * row_bytes, dtype=torch.uint8, device=src_RH.device)
-            status[:, :status_WB.shape[1] * 8] = status_WB.to(src_RH.device).view(torch.uint8)
-            status = status.view(W, s, row_bytes)
+            words = status_WB.to(src_RH.device)
+            if exact:
+                status_WSB = words.view(torch.uint8).view(W, s, row_bytes)
+            else:
+                status_WSB = words.new_zeros(W, s * row_bytes // 8 + 1).view(torch.uint8)[:, :s * row_bytes]
+                status_WSB[:, :words.shape[1] * 8] = words.view(torch.uint8)
+                status_WSB = status_WSB.reshape(W, s, row_bytes)
             rows = _rows_as_bytes(src_RH.contiguous()).split(back)
-            send = torch.cat([t for w in range(W) for t in (rows[w], status[w])])  # [rows of w, s status rows] per w
+            send = torch.cat([t for w in range(W) for t in (rows[w], status_WSB[w])])  # [rows of w, s status rows]
             return send, send.new_empty(sum(sent) + W * s, row_bytes)
 
         # a failure that a second try mends is not a failure of the phase (its status already says "none")
@@ -213,8 +222,10 @@ class AllToAll(Transport):
         def unpack() -> None:
             parts = recv.split([n for m in sent for n in (m, s)])
             torch.cat(parts[0::2], out=_rows_as_bytes(out_NH))
-            got = torch.stack(parts[1::2]).reshape(W, s * row_bytes)[:, :status_WB.shape[1] * 8]
-            pending.recv_WX = got.contiguous().view(torch.int64).to(status_WB.device)
+            got = torch.stack(parts[1::2]).reshape(W, s * row_bytes)
+            if not exact:
+                got = got[:, :status_WB.shape[1] * 8].contiguous()
+            pending.recv_WX = got.view(torch.int64).to(status_WB.device)
 
         where = self.arrive(plan, phase, direction)
         t0 = self.timeline.mark()

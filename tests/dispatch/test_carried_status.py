@@ -163,3 +163,48 @@ def test_a_status_this_rank_cannot_read_raises_here_and_at_every_rank_next(ranks
         assert "injected status unpack fault" in second and "carried here" in second, (rank, second)
         assert f"EP rank {bad}" in second, (rank, second)
         assert third == "value", (rank, third)
+
+
+def _rank_row_widths(rank, world_size, bad):
+    """(dtype, H): rows of 2, 6, 40 and 256 bytes: the status fills whole rows (a row of whole int64 words) or is
+    padded into them (6 and 2 bytes). Returns per case: equal to the exchange-closed call, and a failure's outcome."""
+    out = {}
+    for dtype, H_ in ((torch.bfloat16, 1), (torch.float16, 3), (torch.float64, 5), (torch.float32, 64)):
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(9, H_, generator=g).to(dtype)
+        idx = torch.rand(9, 2 * world_size, generator=g).argsort(1)[:, :2]
+        w = torch.rand(9, 2, generator=g)
+        ys = []
+        for carry in (1 << 20, -1):
+            d = moe_comm.Dispatcher(num_experts=2 * world_size, num_chunks=2, timeout=30.0)
+            d.carry_max_bytes = carry
+            xg = x.clone().requires_grad_(True)
+            y = d(xg, idx, w, lambda t, c: t * 2.0)
+            y.float().square().sum().backward()
+            ys.append((y, xg.grad))
+
+        def fails():
+            seen = []
+
+            def fn(t, c):
+                seen.append(1)
+                if rank == bad and len(seen) == 2:
+                    raise ValueError("expert_fn failed at the last chunk")
+                return t * 2.0
+            d(x, idx, w, fn)
+        d = moe_comm.Dispatcher(num_experts=2 * world_size, num_chunks=2, timeout=30.0)
+        out[(str(dtype), H_)] = (all(torch.equal(a, b) for a, b in zip(*ys)), outcome_of(fails),
+                                 outcome_of(lambda: d(x, idx, w, lambda t, c: t * 2.0)))
+    return out
+
+
+@pytest.mark.multirank
+def test_every_row_width_carries_the_status_and_a_failure(ranks):
+    bad = 1
+    for rank, per_rank in enumerate(ranks(2).run(_rank_row_widths, bad, timeout=120)):
+        for case, (equal, failed, after) in per_rank.items():
+            assert equal, case
+            want = "ValueError" if rank == bad else "PeerFailed"
+            assert failed.startswith(want + ":") and "expert_fn failed at the last chunk" in failed, (case, failed)
+            assert f"EP rank {bad} (at chunk 1)" in failed or rank == bad, (case, failed)
+            assert after == "value", (case, after)

@@ -68,7 +68,7 @@ def test_peers_bench_cross_checks_times_and_flags_a_peer_computing_another_funct
     res = json.loads(path.read_text())
     (run,) = res["results"]
     shape, top1 = run["shapes"]
-    closing = "moe_comm, closing exchanges"
+    closing = "moe_comm, end exchanges"
     assert set(top1["layers"]) == {"moe_comm", closing, "plain torch"} and top1["layers"]["moe_comm"]["step_s"] > 0
     assert top1["skipped"] == {n: "ValueError: this adapter computes top-2 routing only" for n in ("same", "other")}
     assert shape["skipped"] == {}
