@@ -484,7 +484,8 @@ class Channel:
                                 (Word.CHUNKS, "num_chunks of this call (x the pieces its rows stream in)", str),
                                 (Word.ROW_BYTES, "row bytes (H x element size)", str),
                                 (Word.TOP_K, "top_k (the routing's slots per token)", str),
-                                (Word.DTYPE, "dtype", dtype_name), (Word.CONFIG, "Dispatcher settings (hash)", hex)):
+                                (Word.DTYPE, "dtype", dtype_name),
+                                (Word.CONFIG, "Dispatcher settings (hash of its arguments and carry_max_bytes)", hex)):
             known = [(r, row[word]) for r, row in enumerate(rows) if row[word] >= 0 or word == Word.CONFIG]
             text = disagreement(what, [v for _, v in known], fmt)
             if text:

@@ -151,8 +151,8 @@ class CallControl:
         self.last_transport = kind.name
         # Small calls close each phase inside its last transfer (no closing exchange): decided from numbers every
         # rank holds alike (the settings, the transport, every rank's rows), so all ranks decide the same.
-        carry = (kind is AllToAll and self.end_check == "eager" and not self.sync_free
-                 and int(rows[:, Word.ROWS].max()) * row_bytes <= self.carry_max_bytes)  # host sync: none, numpy
+        carry = (kind is AllToAll and self.end_check == "eager" and not self.sync_free and row_bytes > 0
+                 and int(rows[:, Word.ROWS].sum()) * row_bytes <= self.carry_max_bytes)  # host sync: none, numpy
         return DispatchHandle(layout=layout, chunks=chunks, call=pending.call, hidden_size=hidden,
                               transport=self.transport(kind), owner=id(self), rank_rows=rank_rows,
                               slots_sent=int(slots_sent_WCe.sum()), carry=carry)
@@ -200,16 +200,21 @@ class CallControl:
         return self.channel.carried(phase, hdr, words, local_error=error,
                                     failed=Failure.NONE if error is None else Failure.RAISED)
 
-    def _read_carried(self, pending, error: Optional[BaseException]) -> None:
+    def _read_carried(self, pending, error: Optional[BaseException], lost=None) -> None:
         """Read a status that came in the phase's last transfer (complete): raises on every rank alike, as the
         end-of-phase exchange would. When this rank could not unpack it (the transfer's rows arrived, the status
-        copy failed) its peers already read "no failure" from it: it raises alone, and its next exchange carries
-        the error so that every rank raises there."""
+        copy failed) but sent "no failure", its peers return: its next exchange carries the error, so every rank
+        raises there. With a backward to come (``lost``: NaN-fills this rank's output) that exchange is this call's
+        backward check-in, and the rank returns those rows so that its backward runs with its peers' (as
+        ``last_step``); without one it raises now."""
         if pending.recv_WX is None:
             err = error or RuntimeError(f"moe_comm: EP rank {self.rank}: the status rows of {pending.where} "
                                         "could not be read")
             if pending.failed == Failure.NONE:  # what its peers read; a failure it sent, they raise already
                 self.channel.carry(kept(err), f"the end of {pending.where}")
+                if lost is not None:
+                    lost()
+                    return
             raise err
         with self.workspace.dropped_on_error():
             self.channel.end(pending)

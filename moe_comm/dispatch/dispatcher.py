@@ -46,10 +46,10 @@ MAX_CHUNKS = 16  # default bound on C per call: sizes the control exchange (S = 
 DIRECT_MIN_BYTES_CPU = 1 << 20  # gloo, 4 ranks on 2 cores: point-to-point slower at 256 KiB, faster at 4 MiB
 NEVER = 1 << 62
 DISPATCH_DTYPES = (torch.float8_e4m3fn,)
-# An eager call whose every rank sends at most this many bytes of rows closes each phase inside its last transfer
-# (its status rows ride after each destination's rows) instead of a closing exchange of its own: two collectives
-# fewer per step, for a copy of the last chunk's rows each way. gloo, 2 cores: an exchange costs 0.3 ms at W = 2,
-# 2.5 ms at W = 4; a 1 MiB copy about 0.1 ms.
+# An eager call that moves at most this many bytes of rows over the whole group closes each phase inside its last
+# transfer (its status rows ride after each destination's rows) instead of a closing exchange of its own: two
+# collectives fewer per step, for a copy of the last chunk's rows each way (no rank's copy exceeds the bound).
+# gloo, 2 cores: an exchange costs 0.3 ms at W = 2, 2.5 ms at W = 4; a 1 MiB copy about 0.1 ms.
 CARRY_MAX_BYTES = 1 << 20
 
 
@@ -82,8 +82,8 @@ class Dispatcher(CallControl):
         end_check: when the end-of-forward and end-of-backward exchanges of ``__call__`` are read.
             "eager" (default on CPU): at the end of the phase, so a failure mid-call on any rank raises on
             every rank before any returns (one more host read per phase: free on CPU, a sync on CUDA). A call
-            whose ranks each send at most ``carry_max_bytes`` (1 MiB) of rows reads it from status rows that
-            ride in the phase's last transfer: no exchange of its own.
+            that moves at most ``carry_max_bytes`` (1 MiB) of rows over the group reads it from status rows
+            that ride in the phase's last transfer: no exchange of its own.
             "deferred" (default on CUDA): with the next read of this Dispatcher (the backward pass's first
             check-in, which reads every Dispatcher on the group at once, or the next call), keeping the
             forward at one host sync and a backward pass at one however deep; a failure mid-call then returns
@@ -213,7 +213,7 @@ class Dispatcher(CallControl):
         self.num_chunks, self.max_chunks = num_chunks, max_chunks
         self.backend, self.strict, self.timeout = backend, bool(strict), timeout
         self.direct_min_bytes, self.end_check = direct_min_bytes, end_check
-        self.config_hash = zlib.crc32(repr(sorted(settings.items())).encode())
+        self._settings_hash = zlib.crc32(repr(sorted(settings.items())).encode())
         self.dedup = dedup is True
         self.dispatch_dtype, self.dispatch_scales = dispatch_dtype, dispatch_scales
         # counts area: slots per (chunk, local expert), then with dedup the rows per chunk
@@ -235,7 +235,6 @@ class Dispatcher(CallControl):
         self.last_bytes = {}
         self.last_rows_W = []  # rows this rank sent to each rank in its last call (host ints)
         self._stream = False  # one copy per rank: the next C = 1 call moves its rows in pieces (send_rows.pieces)
-        # every rank must hold the same value (not agreed: a constant; tests set it on every rank)
         self.carry_max_bytes = CARRY_MAX_BYTES
         # the backward pass's first check-in reads every such Dispatcher of the group (pipeline backward)
         self.channel.reads_with_group = self.end_check == "deferred" and not self.sync_free and self.world_size > 1
@@ -250,6 +249,24 @@ class Dispatcher(CallControl):
             self.timeline = self._timeline
 
     # ---------------------------------------------------------------- properties
+    @property
+    def carry_max_bytes(self) -> int:
+        """Calls that move at most this many bytes of rows over the whole group (every rank's sent rows, summed)
+        close each phase inside its last transfer (no end-of-phase exchange); -1: never. Every rank must set the
+        same value: it is part of the settings every exchange's header carries (``config_hash``), so a rank that
+        differs makes every rank raise at the next call, before any row moves."""
+        return self._carry_max_bytes
+
+    @carry_max_bytes.setter
+    def carry_max_bytes(self, value: int) -> None:
+        check_int("Dispatcher.carry_max_bytes", value, -1)
+        self._carry_max_bytes = value
+
+    @property
+    def config_hash(self) -> int:
+        """The settings every rank agreed on at construction, and carry_max_bytes: in every exchange's header."""
+        return zlib.crc32(f"{self._settings_hash} {self._carry_max_bytes}".encode())
+
     @property
     def sync_free(self) -> bool:
         """``max_tokens_per_rank`` is set: fixed-size exchanges, no host read after the first call."""

@@ -114,12 +114,13 @@ class _Failure:
         self.carried = d._carried_status(phase, handle, self.error, self.chunk, words)
         return self.carried
 
-    def close(self, d, phase: Phase, handle, meanwhile=None):
+    def close(self, d, phase: Phase, handle, meanwhile=None, lost=None):
         """The end-of-phase control exchange: raises on every rank if any rank failed (at the next read when
         reads are deferred: then returns that exchange). ``meanwhile()`` runs while it travels. When the status
-        travelled in the phase's last transfer (completed by now) it is read instead: no exchange."""
+        travelled in the phase's last transfer (completed by now) it is read instead: no exchange (``lost``: see
+        ``_read_carried``)."""
         if self.carried is not None:
-            d._read_carried(self.carried, self.error)
+            d._read_carried(self.carried, self.error, lost)
             return None
         failed = Failure.NONE if self.error is None else Failure.RAISED
         pending = d._exchange_status(phase, handle, self.error, failed, chunk=self.chunk, deferrable=True,
@@ -305,7 +306,9 @@ def _schedule(run: _Run, src: Tuple[torch.Tensor, ...], out: Tuple[torch.Tensor,
         type(f) is InFlight and f.regroup is None for flights in back for f, _ in flights)
     if not early:
         wait_back()
-    run.closing = failure.close(d, end, handle, meanwhile=wait_back if early else None)
+    # a forward with a backward to come: a status this rank could not read leaves NaN rows, its check-in raises
+    lost = (lambda: [o.fill_(float("nan")) for o in out]) if end == Phase.FORWARD_END and run.grad_enabled else None
+    run.closing = failure.close(d, end, handle, meanwhile=wait_back if early else None, lost=lost)
     if failure.error is not None:  # deferred: the backward of this call moves placeholder rows too
         run.failed = kept(failure.error)
     return out

@@ -225,6 +225,7 @@ class AllToAll(Transport):
             got = torch.stack(parts[1::2]).reshape(W, s * row_bytes)
             if not exact:
                 got = got[:, :status_WB.shape[1] * 8].contiguous()
+            # host sync: none on one device; gloo with CUDA rows: a device -> host copy, the phase's one read
             pending.recv_WX = got.view(torch.int64).to(status_WB.device)
 
         where = self.arrive(plan, phase, direction)

@@ -47,7 +47,7 @@ def _rank_counts_and_values(rank, world_size):
     for C, dedup in ((1, False), (3, False), (2, True)):
         x = torch.randn(12, H, generator=torch.Generator().manual_seed(rank))
         got = {}
-        bound = 12 * 2 * H * 4  # every rank sends 12 tokens x top-2 rows of H float32 (one copy per slot)
+        bound = world_size * 12 * 2 * H * 4  # the group: each rank sends 12 tokens x top-2 rows of H float32
         variants = (("carried", 1 << 20), ("exchange", -1)) + (
             () if dedup else (("at_bound", bound), ("above_bound", bound - 1)))
         for name, carry in variants:
@@ -121,48 +121,94 @@ def test_a_failure_in_the_last_chunks_weight_gradients_raises_on_every_rank(rank
         assert not moved1, (rank, "an expert got a gradient from the failed backward")
 
 
-def _rank_unpack_fault(rank, world_size, bad):
-    d = moe_comm.Dispatcher(num_experts=2 * world_size, timeout=30.0)
-    g = torch.Generator().manual_seed(rank)
-    x, idx, w = torch.randn(9, H, generator=g), torch.rand(9, 2 * world_size, generator=g).argsort(1)[:, :2], \
-        torch.rand(9, 2, generator=g)
-    original = transport.InFlight.wait
+@contextlib.contextmanager
+def _status_unpack_fails(on: bool):
+    """On this rank (``on``), the first carried status cannot be copied out of its transfer."""
+    original, hit = transport.InFlight.wait, []
 
-    def wait(self):  # the bad rank cannot copy the status rows out of the forward's last transfer, once
-        if self.unpack is not None and rank == bad and not hit:
+    def wait(self):
+        if self.unpack is not None and on and not hit:
             hit.append(1)
 
             def fail():
                 raise RuntimeError("injected status unpack fault")
             self.unpack = fail
         return original(self)
-    hit = []
     transport.InFlight.wait = wait
     try:
-        with torch.no_grad():
-            first = outcome_of(lambda: d(x, idx, w, lambda t, c: t * 2.0))
+        yield
     finally:
         transport.InFlight.wait = original
-    with torch.no_grad():
-        second = outcome_of(lambda: d(x, idx, w, lambda t, c: t * 2.0))
-        third = outcome_of(lambda: d(x, idx, w, lambda t, c: t * 2.0))
-    return first, second, third
+
+
+def _rank_unpack_fault(rank, world_size, bad, train):
+    d = moe_comm.Dispatcher(num_experts=2 * world_size, timeout=30.0)
+    g = torch.Generator().manual_seed(rank)
+    x, idx, w = torch.randn(9, H, generator=g), torch.rand(9, 2 * world_size, generator=g).argsort(1)[:, :2], \
+        torch.rand(9, 2, generator=g)
+    out = []
+    for step in range(3):
+        moe_comm.set_step(step)
+        with _status_unpack_fails(rank == bad and step == 0), torch.set_grad_enabled(train):
+            xg = x.clone().requires_grad_(train)
+            if train:  # forward, then backward: the check-in carries what the forward could not read
+                out.append(outcome_of(lambda: d(xg, idx, w, lambda t, c: t * 2.0).sum().backward()))
+            else:
+                out.append(outcome_of(lambda: d(xg, idx, w, lambda t, c: t * 2.0)))
+    moe_comm.set_step(None)
+    return out
 
 
 @pytest.mark.multirank
-def test_a_status_this_rank_cannot_read_raises_here_and_at_every_rank_next(ranks):
+@pytest.mark.parametrize("train", [False, True])
+def test_a_status_this_rank_cannot_read_raises_on_every_rank_at_its_next_exchange(ranks, train):
     """The rows arrived but this rank could not copy the status out: its peers read "no failure" from its own
-    status rows and return; it raises at once, and its next exchange carries the error, where every rank raises
-    naming it (as a failure after a call's last exchange). The call after works."""
+    status rows and return. Its next exchange carries the error, where every rank raises naming it (as a failure
+    after a call's last exchange): in training the same step's backward check-in (the rank returns NaN rows, so its
+    backward runs with its peers'); under no_grad it raises at once, and every rank at the next call. The ranks
+    stay in step (set_step checks it): the call after works."""
     bad = 1
-    for rank, (first, second, third) in enumerate(ranks(2).run(_rank_unpack_fault, bad, timeout=120)):
-        if rank == bad:
-            assert first.startswith("RuntimeError:") and "injected status unpack fault" in first, first
-        else:
-            assert first == "value", first
-        assert "injected status unpack fault" in second and "carried here" in second, (rank, second)
-        assert f"EP rank {bad}" in second, (rank, second)
-        assert third == "value", (rank, third)
+    for rank, steps in enumerate(ranks(2).run(_rank_unpack_fault, bad, train, timeout=120)):
+        first, second, third = steps
+        if train:  # every rank raises in step 0's backward
+            failed, fine = first, (second, third)
+        else:  # the bad rank at once, every rank at the next call
+            failed, fine = second, (third,)
+            assert (first == "value") == (rank != bad), (rank, first)
+            assert rank != bad or "injected status unpack fault" in first, first
+        assert "injected status unpack fault" in failed and "carried here" in failed, (rank, steps)
+        assert f"EP rank {bad}" in failed, (rank, failed)
+        assert all(f == "value" for f in fine), (rank, steps)
+
+
+def _rank_zero_width_and_mismatch(rank, world_size):
+    d = moe_comm.Dispatcher(num_experts=2 * world_size, timeout=30.0)
+    g = torch.Generator().manual_seed(rank)
+    idx, w = torch.rand(9, 2 * world_size, generator=g).argsort(1)[:, :2], torch.rand(9, 2, generator=g)
+    zero = outcome_of(lambda: d(torch.zeros(9, 0), idx, w, lambda t, c: t * 2.0).shape == (9, 0) and "value")
+    d.carry_max_bytes = 1 << 20 if rank == 0 else -1  # one rank differs: every rank raises before rows move
+    mismatch = outcome_of(lambda: d(torch.randn(9, H), idx, w, lambda t, c: t * 2.0))
+    d.carry_max_bytes = 1 << 20
+    after = outcome_of(lambda: d(torch.randn(9, H), idx, w, lambda t, c: t * 2.0))
+    return zero, mismatch, after
+
+
+@pytest.mark.multirank
+def test_zero_width_rows_and_ranks_with_different_bounds(ranks):
+    """Zero-width rows (nothing to carry them in) close with the exchange; a rank whose carry_max_bytes differs is
+    named by the settings hash of the next call's control exchange on every rank, before any row moves."""
+    for zero, mismatch, after in ranks(2).run(_rank_zero_width_and_mismatch, timeout=120):
+        assert zero == "value", zero
+        assert mismatch.startswith("ValueError:") and "carry_max_bytes" in mismatch, mismatch
+        assert after == "value", after
+
+
+def test_carry_max_bytes_is_checked():
+    d = moe_comm.Dispatcher(num_experts=2)
+    with pytest.raises(ValueError, match="carry_max_bytes"):
+        d.carry_max_bytes = -2
+    with pytest.raises(TypeError, match="carry_max_bytes"):
+        d.carry_max_bytes = 1.5
 
 
 def _rank_row_widths(rank, world_size, bad):
