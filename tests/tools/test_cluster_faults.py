@@ -37,12 +37,17 @@ try:
     out = "returned"
 except Exception as err:
     out = f"{type(err).__name__}: {err}"
-with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
-    json.dump({"outcome": out, "seconds": time.perf_counter() - t0}, f)
+report = {"outcome": out, "seconds": time.perf_counter() - t0}
+with open(os.path.join(sys.argv[1], f"rank{rank}.tmp"), "w") as f:
+    json.dump(report, f)
+os.replace(os.path.join(sys.argv[1], f"rank{rank}.tmp"), os.path.join(sys.argv[1], f"rank{rank}.json"))
+# Every rank waits until every rank reported (the nodes share this folder): a rank that exits early ends its
+# node's torchrun agent, node 0's hosts the rendezvous store, and a slower rank elsewhere (two levels' timeouts)
+# would be torn down by its own agent before it reports.
+while len([n for n in os.listdir(sys.argv[1]) if n.endswith(".json")]) < W and time.perf_counter() - t0 < 60:
+    time.sleep(0.2)
 if os.environ["MOE_COMM_NODE_RANK"] == "1" and os.environ["LOCAL_RANK"] == "0":
-    # every rank reported (the nodes share this folder): the link comes back, so torchrun's agents end cleanly
-    while len([n for n in os.listdir(sys.argv[1]) if n.endswith(".json")]) < W and time.perf_counter() - t0 < 60:
-        time.sleep(0.2)
+    # the link comes back, so torchrun's agents end cleanly
     subprocess.run(["ip", "link", "set", "dev", os.environ["MOE_COMM_NODE_IFNAME"], "up"], check=True)
 os._exit(0)  # the process group's last exchanges failed: no clean teardown
 """
