@@ -16,6 +16,9 @@ Sections, in run order (each in try/except; the JSON file is rewritten after eac
   experts        SwiGLU experts: torch._grouped_mm (where moe_comm uses it: CUDA bf16 sm90/sm100, CPU) vs the
                  per-expert loop vs float64, forward and every gradient, with empty experts; GroupedExperts
                  with NaN padding rows (the sync-free dispatch's input)
+  regroup        issue #26 item 11's candidates on the rows an all-to-all delivers (W source blocks):
+                 permute + one grouped GEMM + permute back (today), one grouped GEMM per source block, the
+                 per-(source, expert) block loop; checked against each other, forward + backward timed
   layer          MoELayer on one device (bf16 and fp32 at C in {1, 4}, shared experts, aux + z loss +
                  capacity, autocast) vs the dense float64 reference (dense_moe): routing, output, aux loss,
                  every gradient; a second forward and backward must be bit-identical
@@ -810,6 +813,120 @@ def sec_experts(ctx: Ctx, rec: Record) -> None:
             run(module, "GroupedExperts.forward")
         with rec.step(f"GroupedExperts.forward padded {dn}"):
             run(lambda *a: module(*a, padded=True), "GroupedExperts.forward padded (NaN rows)", pad_rows=pad)
+
+
+# ------------------------------------------------------------------------------- regroup
+def rank_major_case(ctx: Ctx, W: int, e: int, R: int, seed: int):
+    """Rows as one chunk's all-to-all delivers them: W source blocks, each in local-expert order. Returns
+    (counts [W][e] host ints, index_R: expert-major row r <- rank-major row index_R[r], inverse_R, segments
+    [(expert, first row, rows)] of the rank-major rows). Some (source, expert) blocks are empty."""
+    g = torch.Generator().manual_seed(seed)
+    share = torch.rand(W * e, generator=g) * (torch.rand(W * e, generator=g) > 0.1)
+    counts_We = torch.distributions.Multinomial(R, share / share.sum()).sample().to(torch.int64).view(W, e)
+    start_We = (counts_We.reshape(-1).cumsum(0) - counts_We.reshape(-1)).view(W, e)
+    index = [torch.arange(int(start_We[s, j]), int(start_We[s, j] + counts_We[s, j])) for j in range(e)
+             for s in range(W)]
+    index_R = torch.cat(index).to(ctx.device)
+    inverse_R = torch.empty_like(index_R)
+    inverse_R[index_R] = torch.arange(R, device=ctx.device)
+    segments = [(j, int(start_We[s, j]), int(counts_We[s, j])) for s in range(W) for j in range(e)
+                if counts_We[s, j] > 0]
+    return counts_We.tolist(), index_R, inverse_R, segments
+
+
+@section("regroup", needs_s=30)
+def sec_regroup(ctx: Ctx, rec: Record) -> None:
+    """Issue #26, item 11: the ways the experts can read one chunk's rows as the all-to-all delivers them (W
+    source blocks, each in local-expert order), timed forward + backward with every weight gradient:
+      regroup     today's CUDA path: a permute to expert-major rows, one grouped GEMM call (torch._grouped_mm),
+                  a permute back; in backward the same two permutes (4 passes over R x H per step);
+      per_source  one grouped GEMM call per source block on the rows as they arrived (no permute; the W weight
+                  gradient parts are summed by autograd);
+      segments    the per-(source, expert) block loop GroupedExperts runs with ``segments=`` (CPU's choice).
+    The three must agree (checked); the times are data for choosing the CUDA path (no verdict: nothing here
+    has run on a GPU before)."""
+    from moe_comm.kernels import select_backend
+    from moe_comm.modules.experts import _GroupedSwiGLU, _LoopSwiGLU, _grouped_mm_works
+
+    if ctx.cuda:  # (W, e, H, F, R): a node, and DeepSeek-V3-like layers at EP 32 and 64
+        cases, dtype = [(8, 8, 4096, 1536, 16384), (32, 8, 7168, 2048, 16384), (64, 4, 7168, 2048, 8192)], \
+            torch.bfloat16
+    else:
+        cases, dtype = [(2, 2, 16, 24, 40), (4, 3, 16, 24, 60)], torch.bfloat16
+    kernels = select_backend(ctx.backend, ctx.device)
+    rows = []
+    for i, (W, e, H, F, R) in enumerate(cases):
+        name = f"W={W} e={e} H={H} F={F} R={R}"
+        counts, index_R, inverse_R, segments = rank_major_case(ctx, W, e, R, seed=300 + i)
+        gen = ctx.gen(310 + i)
+        x = torch.randn(R, H, generator=gen, device=ctx.device).to(dtype)
+        gy = torch.randn(R, H, generator=gen, device=ctx.device).to(dtype)
+        ws = [(torch.randn(e, F, H, generator=gen, device=ctx.device) * H ** -0.5).to(dtype),
+              (torch.randn(e, F, H, generator=gen, device=ctx.device) * H ** -0.5).to(dtype),
+              (torch.randn(e, H, F, generator=gen, device=ctx.device) * F ** -0.5).to(dtype)]
+        for w in ws:
+            w.requires_grad_(True)
+        per_expert_e = torch.tensor([sum(c[j] for c in counts) for j in range(e)], device=ctx.device)
+        per_source = [torch.tensor(c, device=ctx.device) for c in counts]
+        starts = [sum(sum(c) for c in counts[:s]) for s in range(W)]
+        grouped = _grouped_mm_works(x, *ws)
+
+        def regroup():
+            xe = kernels.permute_rows(x, index_R).requires_grad_(True)
+            ye = _GroupedSwiGLU.apply(xe, *ws, per_expert_e, False)
+            y = kernels.permute_rows(ye.detach(), inverse_R)
+            ye.backward(kernels.permute_rows(gy, index_R))
+            return y, kernels.permute_rows(xe.grad, inverse_R)
+
+        def per_source_calls():
+            xr = x.detach().requires_grad_(True)
+            y = torch.cat([_GroupedSwiGLU.apply(xr[a:a + sum(c)], *ws, n_e, False)
+                           for a, c, n_e in zip(starts, counts, per_source)])
+            y.backward(gy)
+            return y.detach(), xr.grad
+
+        def segment_loop():
+            xr = x.detach().requires_grad_(True)
+            y = _LoopSwiGLU.apply(xr, *ws, segments)
+            y.backward(gy)
+            return y.detach(), xr.grad
+
+        variants = {"regroup": regroup, "per_source": per_source_calls, "segments": segment_loop}
+        if not grouped:
+            rec.not_covered(f"{name}: regroup, per_source", "torch._grouped_mm does not run these shapes here")
+            variants = {"segments": segment_loop}
+        got = {}
+        for label, fn in variants.items():
+            with rec.step(f"{name}: {label}"):
+                for w in ws:
+                    w.grad = None
+                y, gx = fn()
+                got[label] = (y, gx, [w.grad.clone() for w in ws])
+        for label in got:
+            if label == "segments":
+                continue
+            for what, a, b in zip(("output", "grad x", "grad w1", "grad w3", "grad w2"),
+                                  [got[label][0], got[label][1]] + got[label][2],
+                                  [got["segments"][0], got["segments"][1]] + got["segments"][2]):
+                check_rel(rec, f"{name}: {label} vs segments, {what}", a.float(), b.float(), REL_TOL[dtype])
+
+        def timed(fn):
+            def step():
+                for w in ws:
+                    w.grad = None
+                fn()
+            return step
+        row = {"case": name, "W": W, "e": e, "H": H, "F": F, "R": R, "dtype": str(dtype)[6:]}
+        for label in got:
+            row[f"{label}_ms"] = bench_ms(ctx, timed(variants[label]))
+        passes = [lambda: kernels.permute_rows(x, index_R)] * 4
+        row["four_permutes_ms"] = bench_ms(ctx, lambda: [f() for f in passes])
+        rows.append(row)
+        print(f"    {name:<36} " + "  ".join(f"{k[:-3]} {v:8.3f} ms" for k, v in row.items() if k.endswith("_ms")),
+              flush=True)
+    rec.data["regroup"] = rows
+    if not ctx.cuda:
+        rec.not_covered("regroup timings", "CPU timings say nothing about the GPU; the dry run checks the paths")
 
 
 # ------------------------------------------------------------------------------- layer

@@ -25,9 +25,9 @@ import moe_comm
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.py")
 
-SECTIONS = ["env", "kernels", "kernels_int64", "bandwidth", "experts", "layer", "host_syncs", "sync_free",
+SECTIONS = ["env", "kernels", "kernels_int64", "bandwidth", "experts", "regroup", "layer", "host_syncs", "sync_free",
             "fp8_dispatch", "nccl_world1", "two_ranks", "nccl_ranks", "timeline", "pytest_gpu"]
-RUN_ON_CPU = ["env", "kernels", "bandwidth", "experts", "layer", "fp8_dispatch", "nccl_world1", "two_ranks",
+RUN_ON_CPU = ["env", "kernels", "bandwidth", "experts", "regroup", "layer", "fp8_dispatch", "nccl_world1", "two_ranks",
               "timeline"]
 CUDA_ONLY = ["kernels_int64", "pytest_gpu"]
 
@@ -77,6 +77,11 @@ def test_dry_run_passes_every_section_it_can(tmp_path):
         assert sec["status"] != "NOT COVERED" or sec["reason"], sec["section"]
     for name in SECTIONS:  # the final table names every section
         assert name in proc.stdout
+    # issue #26 item 11's candidates: all three paths ran and agreed on the dry run's shapes (timings: data only)
+    regroup = by_name["regroup"]
+    assert all(c["status"] == "PASS" for c in regroup["checks"] if "vs segments" in c["check"]), regroup["checks"]
+    assert len([c for c in regroup["checks"] if "vs segments" in c["check"]]) == 2 * 2 * 5
+    assert all({"regroup_ms", "per_source_ms", "segments_ms"} <= set(r) for r in regroup["data"]["regroup"])
 
 
 def test_injected_failure_fails_the_verdict(tmp_path):
