@@ -27,14 +27,24 @@ def _triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+_SELECTED = {}  # (backend, device type, TRITON_INTERPRET) -> module: every call's kernels, chosen once
+
+
 def select_backend(backend: str, device: torch.device) -> ModuleType:
     """The kernel module for ``backend`` on ``device``.
 
     "auto": CUDA -> triton, CPU -> native (C++; one warning and torch if it cannot be built).
     "triton" on CPU tensors only works under TRITON_INTERPRET=1 (set before triton is imported).
     """
+    key = (backend, getattr(device, "type", device), _triton_interpreting())
+    module = _SELECTED.get(key)
+    if module is None:
+        module = _SELECTED[key] = _select(backend, torch.device(device))
+    return module
+
+
+def _select(backend: str, device: torch.device) -> ModuleType:
     check_choice("backend", backend, BACKENDS)
-    device = torch.device(device)
     if backend == "torch":
         return reference
     if backend == "auto":
