@@ -49,7 +49,8 @@ DISPATCH_DTYPES = (torch.float8_e4m3fn,)
 # An eager call that moves at most this many bytes of rows over the whole group closes each phase inside its last
 # transfer (its status rows ride after each destination's rows) instead of a closing exchange of its own: two
 # collectives fewer per step, for a copy of the last chunk's rows each way (no rank's copy exceeds the bound).
-# gloo, 2 cores: an exchange costs 0.3 ms at W = 2, 2.5 ms at W = 4; a 1 MiB copy about 0.1 ms.
+# gloo, 2 cores: an exchange timed alone costs 0.4-0.5 ms at W = 2, 4-5 ms at W = 4 (less inside a step, where
+# the ranks arrive together); a 1 MiB copy about 0.1 ms.
 CARRY_MAX_BYTES = 1 << 20
 
 
@@ -80,10 +81,10 @@ class Dispatcher(CallControl):
             launcher started as one of several (torchrun's RANK / WORLD_SIZE), run alone anyway (default:
             raise, such a process would silently not be expert-parallel).
         end_check: when the end-of-forward and end-of-backward exchanges of ``__call__`` are read.
-            "eager" (default on CPU): at the end of the phase, so a failure mid-call on any rank raises on
-            every rank before any returns (one more host read per phase: free on CPU, a sync on CUDA). A call
-            that moves at most ``carry_max_bytes`` (1 MiB) of rows over the group reads it from status rows
-            that ride in the phase's last transfer: no exchange of its own.
+            "eager" (default on CPU, and with ``ranks_per_node``): at the end of the phase, so a failure
+            mid-call on any rank raises on every rank before any returns (one more host read per phase: free on
+            CPU, a sync on CUDA). A call that moves at most ``carry_max_bytes`` (1 MiB) of rows over the group
+            reads it from status rows that ride in the phase's last transfer: no exchange of its own.
             "deferred" (default on CUDA): with the next read of this Dispatcher (the backward pass's first
             check-in, which reads every Dispatcher on the group at once, or the next call), keeping the
             forward at one host sync and a backward pass at one however deep; a failure mid-call then returns

@@ -415,6 +415,7 @@ class MoELayer(LayerLoad, nn.Module):
                                      summed_words=old.summed_words, max_chunks=old.max_chunks,
                                      ranks_per_node=old.ranks_per_node)
         self.dispatcher.timeline = old.timeline
+        self.dispatcher.carry_max_bytes = old.carry_max_bytes  # a value set on every rank stays
         self._replica_slots_EC, self._replica_count_E, self._max_replicas = replica_tables(new_p2l, E, params[0].device)
         self._placement, self._phys_to_logical = placement, new_p2l
         if self.monitor is not None:

@@ -1,4 +1,4 @@
-"""Tier 2 (multi-rank gloo): an eager call whose ranks each send at most ``Dispatcher.carry_max_bytes`` of rows
+"""Tier 2 (multi-rank gloo): an eager call whose ranks together send at most ``Dispatcher.carry_max_bytes`` of rows
 closes each phase inside its last transfer (its status rows ride after each destination's rows) instead of an
 end-of-phase exchange of its own: two collectives fewer per training step, the same outputs and gradients bit for
 bit, and the same failure behaviour - including a failure in the last chunk's weight gradients, which now runs

@@ -72,8 +72,10 @@ def test_apply_placement_validates_and_rejects_unsupported_optimizer_state():
         layer.apply_placement(plan_placement([[4, 3, 2, 1]], 1), opt)
     assert torch.equal(layer.experts.w1, w1) and layer.placement is None, "nothing moved"
     plan = plan_placement([[1, 2, 3, 4]], 1)
+    layer.dispatcher.carry_max_bytes = -1
     layer.apply_placement(plan)
     assert layer.local_expert_ids == plan.phys_to_logical.tolist() and layer.local_slot_ids == [0, 1, 2, 3]
+    assert layer.dispatcher.carry_max_bytes == -1  # the new Dispatcher keeps what was set (it is in every header)
 
 
 # ------------------------------------------------------------------------------------ tier 2: ranks
