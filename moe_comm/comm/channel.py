@@ -214,8 +214,9 @@ class Channel:
             reads.fresh = reads.fresh or phase in (Phase.FORWARD, Phase.DISPATCH)
             reads.active.setdefault(id(self), self)
         message = None if local_error is None else f"{type(local_error).__name__}: {local_error}"
-        if self.late is not None:  # this exchange carries it (with this rank's own failure, if any, first)
-            (late, where), self.late = self.late, None
+        carries = self.late is not None
+        if carries:  # this exchange carries it (with this rank's own failure, if any, first)
+            late, where = self.late
             late_text = f"{type(late).__name__} in {where}: {late}"
             if local_error is None:
                 local_error, message = late, late_text
@@ -241,6 +242,8 @@ class Channel:
         pending_start = self.timeline.mark() if self.timeline is not None else None
         # the host reads the slots this call used (C x its words per chunk), not the whole counts area
         read = HEADER_WORDS + MESSAGE_WORDS + (0 if slots_WS is None else slots_WS.shape[1])
+        if carries:  # taken once the rows that carry it exist (a compose that raised keeps it for the next)
+            self.late = None
         return Pending(phase, send_WX, None, None, where, local_error, failed, hdr[Word.CALL], pending_start,
                        read=read, call_dev=call_dev)
 

@@ -110,8 +110,9 @@ class _Failure:
     def status(self, d, phase: Phase, handle, chunk: int, err: Optional[BaseException], words: int):
         """This rank's outcome of the phase, ``words`` int64 per destination, to travel in its last transfer
         (``handle.carry``); ``err``: that transfer's own send-side failure."""
-        self.note(chunk, err)
-        self.carried = d._carried_status(phase, handle, self.error, self.chunk, words)
+        if self.carried is None:  # a second try (Transport.local) sends the same status
+            self.note(chunk, err)
+            self.carried = d._carried_status(phase, handle, self.error, self.chunk, words)
         return self.carried
 
     def close(self, d, phase: Phase, handle, meanwhile=None, lost=None):

@@ -199,34 +199,35 @@ class AllToAll(Transport):
         W, row_bytes = self.world, src_RH.shape[1] * src_RH.element_size()
         s = -(-(HEADER_WORDS + MESSAGE_WORDS) * 8 // row_bytes)  # status rows per destination
         # status words that fill the s rows exactly (no padding copy) when a row holds whole int64 words
-        pending = status(error, s * row_bytes // 8 if row_bytes % 8 == 0 else HEADER_WORDS + MESSAGE_WORDS)
-        status_WB = pending.send_WX
-        exact = status_WB.shape[1] * 8 == s * row_bytes
+        words = s * row_bytes // 8 if row_bytes % 8 == 0 else HEADER_WORDS + MESSAGE_WORDS
+        exact = words * 8 == s * row_bytes
         back, sent = plan.recv_splits_W, plan.send_splits_W  # rows to each rank now, rows from each (its sent ones)
 
         def pack():
-            words = status_WB.to(src_RH.device)
+            pending = status(error, words)
+            status_WB = pending.send_WX.to(src_RH.device)
             if exact:
-                status_WSB = words.view(torch.uint8).view(W, s, row_bytes)
+                status_WSB = status_WB.view(torch.uint8).view(W, s, row_bytes)
             else:
-                status_WSB = words.new_zeros(W, s * row_bytes // 8 + 1).view(torch.uint8)[:, :s * row_bytes]
-                status_WSB[:, :words.shape[1] * 8] = words.view(torch.uint8)
+                status_WSB = status_WB.new_zeros(W, s * row_bytes // 8 + 1).view(torch.uint8)[:, :s * row_bytes]
+                status_WSB[:, :words * 8] = status_WB.view(torch.uint8)
                 status_WSB = status_WSB.reshape(W, s, row_bytes)
             rows = _rows_as_bytes(src_RH.contiguous()).split(back)
             send = torch.cat([t for w in range(W) for t in (rows[w], status_WSB[w])])  # [rows of w, s status rows]
-            return send, send.new_empty(sum(sent) + W * s, row_bytes)
+            return pending, send, send.new_empty(sum(sent) + W * s, row_bytes)
 
-        # a failure that a second try mends is not a failure of the phase (its status already says "none")
-        (send, recv), _ = self.local(pack, "status rows")
+        # Composing the status and packing may fail like any buffer: once is mended by the second try (not a
+        # failure of the phase: the status sent says what the phase did); twice poisons the group (local).
+        (pending, send, recv), _ = self.local(pack, "status rows")
 
         def unpack() -> None:
             parts = recv.split([n for m in sent for n in (m, s)])
             torch.cat(parts[0::2], out=_rows_as_bytes(out_NH))
             got = torch.stack(parts[1::2]).reshape(W, s * row_bytes)
             if not exact:
-                got = got[:, :status_WB.shape[1] * 8].contiguous()
+                got = got[:, :words * 8].contiguous()
             # host sync: none on one device; gloo with CUDA rows: a device -> host copy, the phase's one read
-            pending.recv_WX = got.view(torch.int64).to(status_WB.device)
+            pending.recv_WX = got.view(torch.int64).to(pending.send_WX.device)
 
         where = self.arrive(plan, phase, direction)
         t0 = self.timeline.mark()

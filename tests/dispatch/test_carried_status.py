@@ -254,3 +254,43 @@ def test_every_row_width_carries_the_status_and_a_failure(ranks):
             assert failed.startswith(want + ":") and "expert_fn failed at the last chunk" in failed, (case, failed)
             assert f"EP rank {bad} (at chunk 1)" in failed or rank == bad, (case, failed)
             assert after == "value", (case, after)
+
+
+def _rank_status_compose_fault(rank, world_size, bad, times):
+    from moe_comm.comm.channel import Channel
+
+    d = moe_comm.Dispatcher(num_experts=2 * world_size, timeout=3.0)
+    g = torch.Generator().manual_seed(rank)
+    x, idx, w = torch.randn(9, H, generator=g), torch.rand(9, 2 * world_size, generator=g).argsort(1)[:, :2], \
+        torch.rand(9, 2, generator=g)
+    original, left = Channel.carried, [times if rank == bad else 0]
+
+    def carried(self, *args, **kwargs):  # composing the forward's status fails on the bad rank
+        if left[0] > 0:
+            left[0] -= 1
+            raise RuntimeError("injected status compose fault")
+        return original(self, *args, **kwargs)
+    Channel.carried = carried
+    try:
+        with torch.no_grad():
+            return outcome_of(lambda: "exact" if torch.allclose(d(x, idx, w, lambda t, c: t * 2.0),
+                                                                2 * w.sum(1, keepdim=True) * x) else "wrong")
+    finally:
+        Channel.carried = original
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("times", [1, pytest.param(2, marks=pytest.mark.nccl_rules_exempt(
+    "the failing rank issues nothing more: its peers must meet the timeout, which the mode's side check, waiting "
+    "for every rank before each issue, would report first"))])
+def test_a_status_that_cannot_be_composed_never_leaves_peers_waiting(ranks, times):
+    """Composing the status that rides in the last transfer is retried once like any buffer of a transfer: once,
+    the call completes exactly on every rank; twice, that rank has nothing to send with: it raises CollectiveError
+    at once (the group poisoned) and its peers theirs within the timeout - no rank is left waiting."""
+    bad = 1
+    for rank, got in enumerate(ranks(2).run(_rank_status_compose_fault, bad, times, timeout=120)):
+        if times == 1:
+            assert got == "exact", (rank, got)
+        else:
+            assert got.startswith("CollectiveError:"), (rank, got)
+            assert rank != bad or "status rows" in got, got
