@@ -259,7 +259,9 @@ def test_every_row_width_carries_the_status_and_a_failure(ranks):
 def _rank_status_compose_fault(rank, world_size, bad, times):
     from moe_comm.comm.channel import Channel
 
-    d = moe_comm.Dispatcher(num_experts=2 * world_size, timeout=3.0)
+    # twice poisons the group: a group of its own, so the pool's WORLD stays usable for the tests after this one
+    group = dist.new_group(list(range(world_size))) if times > 1 else None
+    d = moe_comm.Dispatcher(num_experts=2 * world_size, ep_group=group, timeout=3.0)
     g = torch.Generator().manual_seed(rank)
     x, idx, w = torch.randn(9, H, generator=g), torch.rand(9, 2 * world_size, generator=g).argsort(1)[:, :2], \
         torch.rand(9, 2, generator=g)
@@ -273,10 +275,14 @@ def _rank_status_compose_fault(rank, world_size, bad, times):
     Channel.carried = carried
     try:
         with torch.no_grad():
-            return outcome_of(lambda: "exact" if torch.allclose(d(x, idx, w, lambda t, c: t * 2.0),
-                                                                2 * w.sum(1, keepdim=True) * x) else "wrong")
+            got = outcome_of(lambda: "exact" if torch.allclose(d(x, idx, w, lambda t, c: t * 2.0),
+                                                               2 * w.sum(1, keepdim=True) * x) else "wrong")
     finally:
         Channel.carried = original
+    on_world = moe_comm.Dispatcher(num_experts=2 * world_size, timeout=30.0)  # the pool's group is still usable
+    with torch.no_grad():
+        after = outcome_of(lambda: on_world(x, idx, w, lambda t, c: t * 2.0))
+    return got, after
 
 
 @pytest.mark.multirank
@@ -288,7 +294,8 @@ def test_a_status_that_cannot_be_composed_never_leaves_peers_waiting(ranks, time
     the call completes exactly on every rank; twice, that rank has nothing to send with: it raises CollectiveError
     at once (the group poisoned) and its peers theirs within the timeout - no rank is left waiting."""
     bad = 1
-    for rank, got in enumerate(ranks(2).run(_rank_status_compose_fault, bad, times, timeout=120)):
+    for rank, (got, after) in enumerate(ranks(2).run(_rank_status_compose_fault, bad, times, timeout=120)):
+        assert after == "value", (rank, after)
         if times == 1:
             assert got == "exact", (rank, got)
         else:
