@@ -259,9 +259,6 @@ def _schedule(run: _Run, src: Tuple[torch.Tensor, ...], out: Tuple[torch.Tensor,
         rows = [_wait(f, failure, c, chunks[c].num_recv, src[i]) for i, f in flights]
         return tuple(recv) if recv else tuple(rows)
 
-    # handle.carry (small eager calls): the phase's status rides in its last transfer, which then goes out once
-    # this rank's outcome of the phase is known (after the last chunk's ``after``): no closing exchange.
-    carry = handle.carry and not getattr(run.expert_fn, "takes_slot_rows", False)
     issue(0)
     if before is not None:
         failure.catch(0, before)
@@ -273,7 +270,9 @@ def _schedule(run: _Run, src: Tuple[torch.Tensor, ...], out: Tuple[torch.Tensor,
         results = failure.catch(c, compute, c, received, always=getattr(run.expert_fn, "takes_slot_rows", False))
         if results is None:  # this rank failed: placeholder rows of the agreed sizes keep the schedule
             results = tuple(buffer(c, lambda: o.new_empty(p.num_recv, o.shape[1])) for o in out)
-        closing = carry and c == len(chunks) - 1
+        # handle.carry (small eager calls): the phase's status rides in its last transfer, which goes out once this
+        # rank's outcome of the phase is known (after the last chunk's ``after``): no closing exchange.
+        closing = handle.carry and c == len(chunks) - 1
         if closing and after is not None:
             failure.catch(c, after, c)
         pairs = [(q, r, o) for q in p.parts for r, o in zip(results, out)]

@@ -26,8 +26,8 @@ import torch
 
 from moe_comm.comm.channel import as_collective_error
 from moe_comm.comm.wire import HEADER_WORDS, MESSAGE_WORDS
-from moe_comm.comm.collectives import (REBUILD, CollectiveError, all_to_all_v_async, issue_segments, issuing, poison,
-                                       record_arrival, wait_work)
+from moe_comm.comm.collectives import (REBUILD, CollectiveError, _as_bytes, all_to_all_v_async, issue_segments,
+                                       issuing, poison, record_arrival, wait_work)
 from moe_comm.dispatch.plan import ChunkPlan, call_text
 from moe_comm.kernels import select_backend
 
@@ -212,7 +212,7 @@ class AllToAll(Transport):
                 status_WSB = status_WB.new_zeros(W, s * row_bytes // 8 + 1).view(torch.uint8)[:, :s * row_bytes]
                 status_WSB[:, :words * 8] = status_WB.view(torch.uint8)
                 status_WSB = status_WSB.reshape(W, s, row_bytes)
-            rows = _rows_as_bytes(src_RH.contiguous()).split(back)
+            rows = _as_bytes(src_RH).split(back)
             send = torch.cat([t for w in range(W) for t in (rows[w], status_WSB[w])])  # [rows of w, s status rows]
             return pending, send, send.new_empty(sum(sent) + W * s, row_bytes)
 
@@ -222,7 +222,7 @@ class AllToAll(Transport):
 
         def unpack() -> None:
             parts = recv.split([n for m in sent for n in (m, s)])
-            torch.cat(parts[0::2], out=_rows_as_bytes(out_NH))
+            torch.cat(parts[0::2], out=_as_bytes(out_NH))  # out_NH: rows of the contiguous output (a view)
             got = torch.stack(parts[1::2]).reshape(W, s * row_bytes)
             if not exact:
                 got = got[:, :words * 8].contiguous()
@@ -236,11 +236,6 @@ class AllToAll(Transport):
         self.timeline.comm(phase, work, chunk=plan.chunk, direction=direction, start=t0)
         return InFlight(self, [work], out_NH, phase, plan.chunk, direction, keep=(send, recv), where=where,
                         error=error, unpack=unpack)
-
-
-def _rows_as_bytes(x_RH: torch.Tensor) -> torch.Tensor:
-    """[R, H] contiguous rows as [R, H x element size] uint8 (a view)."""
-    return x_RH.view(torch.uint8).reshape(x_RH.shape[0], x_RH.shape[1] * x_RH.element_size())
 
 
 class PointToPoint(Transport):
