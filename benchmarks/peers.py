@@ -46,6 +46,7 @@ import json
 import os
 import statistics
 import sys
+import time
 import warnings
 
 import torch
@@ -74,6 +75,7 @@ GOAL = 0.5  # moe_comm's overhead <= 0.5 x each peer's
 BARE, RAW, PLAIN = "bare GEMMs", "4 x raw all-to-all", "plain torch"
 CLOSING = "moe_comm, end exchanges"  # moe_comm without the carried status (Dispatcher.carry_max_bytes -1)
 CONTROL = "control exchange"  # what moe_comm's failure protocol adds to the plain layer's collectives per step
+HOST_STEPS = 30  # steps timed for the main thread's CPU time per step (work counts)
 AGREE = 1e-5  # max |difference| / max |moe_comm's value|, output and input gradient: above it, no timing verdict
 
 
@@ -128,8 +130,17 @@ def _work_counts(layer, x) -> dict:
         _step(layer, x)
     finally:
         sys.setprofile(None)
+    # the main thread's CPU time per step: Python and torch ops on the host, without the waits (another
+    # thread's work, a peer's lateness) that make the step times noisy on shared cores
+    cpu = []
+    for _ in range(HOST_STEPS):
+        dist.barrier()
+        t = time.thread_time()
+        _step(layer, x)
+        cpu.append(time.thread_time() - t)
     return {"aten_ops_forward": fwd.n, "aten_ops_backward": bwd.n, "python_calls_per_step": calls["call"],
-            "c_calls_per_step": calls["c_call"], "collectives_per_step": calls["collectives"]}
+            "c_calls_per_step": calls["c_call"], "collectives_per_step": calls["collectives"],
+            "host_cpu_s_per_step": statistics.median(cpu)}
 
 
 _COLLECTIVES = {"all_to_all_single", "alltoall_base", "allreduce", "all_reduce", "broadcast", "allgather",
@@ -269,6 +280,9 @@ def _print(results):
             t.add_row(str(s["world_size"]), sh, BARE, f"{s['bare_gemm_s'] * 1e3:.1f}", "", "", "", "")
             t.add_row("", "", RAW, f"{s['raw_a2a_s'] * 1e3:.1f}", "", "", "", "")
             t.add_row("", "", f"{s['control_exchanges']} x {CONTROL}", f"{s['control_s'] * 1e3:.1f}", "", "", "", "")
+            host = {n: s["layers"][n]["work"]["host_cpu_s_per_step"] * 1e3 for n in ("moe_comm", PLAIN)}
+            t.add_row("", "", "main-thread CPU per step", "", "",
+                      f"moe_comm {host['moe_comm']:.2f} ms, plain {host[PLAIN]:.2f} ms", "", "")
             for n, why in s["skipped"].items():
                 t.add_row("", "", n, "-", "-", f"skipped: {why}", "", "")
             for n, e in s["layers"].items():

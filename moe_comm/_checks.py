@@ -97,7 +97,7 @@ def check_tensor(name: str, t, *, dim: Optional[int] = None, dtypes: Optional[Se
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if dim is not None and t.dim() != dim:
         raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
-    if shape is not None and (t.dim() != len(shape) or any(s is not None and s != g for s, g in zip(shape, t.shape))):
+    if shape is not None and _shape_differs(shape, t.shape):
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
         why = f" ({shape_from})" if shape_from else ""
         raise ValueError(f"{name} must have shape {want}{why}, got {tuple(t.shape)}")
@@ -108,9 +108,18 @@ def check_tensor(name: str, t, *, dim: Optional[int] = None, dtypes: Optional[Se
     if dtypes is not None and t.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"{name} must have dtype in ({names}), got {t.dtype}")
-    if device is not None and t.device != torch.device(device):
+    if device is not None and t.device != (device if isinstance(device, torch.device) else torch.device(device)):
         raise ValueError(f"{name} must be on {device}, got a tensor on {t.device}")
     return t
+
+
+def _shape_differs(shape: Sequence[Optional[int]], got: torch.Size) -> bool:
+    if len(got) != len(shape):
+        return True
+    for s, g in zip(shape, got):  # a loop, not any(<generator>): checked ~35 times per layer call
+        if s is not None and s != g:
+            return True
+    return False
 
 
 def check_same_device(ref_name: str, ref: torch.Tensor, **others: Optional[torch.Tensor]) -> None:

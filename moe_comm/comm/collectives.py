@@ -8,9 +8,10 @@ bfloat16 reductions, but an all-to-all needs no arithmetic).
 from __future__ import annotations
 
 import atexit
-import contextlib
 import datetime
+import itertools
 import os
+import queue
 import threading
 import time
 import weakref
@@ -106,54 +107,57 @@ class _ArrivalWriter:
     """Writes arrival records to the store from a daemon thread: a TCPStore set is a round trip (0.1-0.3 ms
     here, longer behind bulk data on a slow link) that would otherwise sit before every transfer. Only the
     newest record per key is written; a peer reads them after a timeout (seconds), long after they land.
-    TCPStore serialises its client's operations with a lock, so the main thread may use the store meanwhile."""
+    TCPStore serialises its client's operations with a lock, so the main thread may use the store meanwhile.
+    ``put`` is two C calls (a sequence number, a SimpleQueue put): no Python lock on the call's path."""
 
     def __init__(self):
-        self.cond = threading.Condition()
-        self.pending: Dict[str, Tuple[object, str]] = {}
+        self.queue: "queue.SimpleQueue" = queue.SimpleQueue()  # (seq, store, key, where)
+        self.seq = itertools.count(1)  # next() is one C call: atomic under the GIL
+        self.last = 0  # the newest record's seq
+        self.written = 0  # every record up to this seq is written (or was replaced by a newer one)
         self.thread: Optional[threading.Thread] = None
-        self.busy = False  # records taken from pending, not yet written
+        self.start_lock = threading.Lock()
 
     def put(self, store, key: str, where: str) -> None:
-        with self.cond:
-            self.pending[key] = (store, where)
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._run, name="moe_comm-arrivals", daemon=True)
-                self.thread.start()
-            self.cond.notify()
+        self.last = seq = next(self.seq)
+        self.queue.put((seq, store, key, where))
+        if self.thread is None:
+            with self.start_lock:  # two threads' first records start one writer
+                if self.thread is None:
+                    self.thread = threading.Thread(target=self._run, name="moe_comm-arrivals", daemon=True)
+                    self.thread.start()
 
     def _run(self) -> None:
+        q = self.queue
         while True:
-            with self.cond:
-                while not self.pending:
-                    self.cond.wait()
-                self.busy = True
-            # Coalesce: records of the next few ms replace this one (a step records 8 per layer), so the writer
+            todo = [q.get()]
+            # Coalesce: records of the next few ms replace this one (a step records 6 per layer), so the writer
             # wakes and sets once per burst instead of per record; on 2 shared cores each wake-up took ~0.1 ms of
             # the step. A record lands at most ARRIVAL_DELAY_S late; it is read after a timeout (seconds).
             time.sleep(ARRIVAL_DELAY_S)
-            with self.cond:
-                todo, self.pending = self.pending, {}
-            for key, (store, where) in todo.items():
+            while True:
+                try:
+                    todo.append(q.get_nowait())
+                except queue.Empty:
+                    break
+            newest = {key: (store, where) for _, store, key, where in todo}
+            for key, (store, where) in newest.items():
                 try:
                     store.set(key, where)
                 except Exception:  # noqa: BLE001 - the store may be gone (rank 0 died); a diagnosis, not a duty
                     pass
-            with self.cond:
-                self.busy = bool(self.pending)
-                self.cond.notify_all()
+            self.written = max(t[0] for t in todo)
 
     def drain(self) -> None:
         """Wait (at most ARRIVAL_DRAIN_S) until no record is due: at interpreter exit a daemon thread caught inside
         a store call aborts the process ("terminate called without an active exception"; with the 5 ms wait most
         failure tests' ranks did, before this ran at exit)."""
         deadline = time.monotonic() + ARRIVAL_DRAIN_S
-        with self.cond:
-            while (self.busy or self.pending) and self.thread is not None and time.monotonic() < deadline:
-                self.cond.wait(timeout=0.05)
+        while self.written < self.last and self.thread is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def reset_after_fork(self) -> None:
-        self.cond, self.pending, self.thread, self.busy = threading.Condition(), {}, None, False
+        self.__init__()
 
 
 _ARRIVALS = _ArrivalWriter()
@@ -165,11 +169,13 @@ if hasattr(os, "register_at_fork"):  # a forked child (DataLoader worker) has no
 def record_arrival(group: Optional[dist.ProcessGroup], where: str) -> None:
     """Note in the group's store that this rank reached ``where`` (read when a peer times out). Written by a
     background thread: returns at once."""
-    store = _store()
-    if store is not None and group is not None:
-        key = _ARRIVAL_KEYS.get(group)
-        if key is None:  # per group object (a rebuilt group is a new one): its name and this rank are fixed
-            key = _ARRIVAL_KEYS[group] = f"moe_comm/arrival/{_group_key(group)}/{dist.get_rank()}"
+    if group is None:
+        return
+    got = _ARRIVAL_KEYS.get(group)
+    if got is None:  # per group object (a rebuilt group is a new one): its store, name and this rank are fixed
+        got = _ARRIVAL_KEYS[group] = (_store(), f"moe_comm/arrival/{_group_key(group)}/{dist.get_rank()}")
+    store, key = got
+    if store is not None:
         _ARRIVALS.put(store, key, where)
 
 
@@ -205,19 +211,27 @@ def arrivals(group: Optional[dist.ProcessGroup]) -> Optional[Dict[int, str]]:
     return None if reader.is_alive() else dict(out)
 
 
-@contextlib.contextmanager
-def issuing(group: Optional[dist.ProcessGroup], what: str, rank: int = 0, where: Optional[str] = None):
-    """Issuing a collective can fail at once (a peer's socket closed): CollectiveError, and poison the group.
-    where: this rank's position (``record_arrival`` text): the peers recorded elsewhere are named."""
-    try:
-        yield
-    except RuntimeError as e:
-        if isinstance(e, CollectiveError):
-            raise
-        stuck = _peers_elsewhere(group, rank, where)
-        poison(group, f"issuing the {what} on EP rank {rank}: {e}")
-        raise CollectiveError(f"moe_comm: EP rank {rank}: issuing the {what} failed; a peer rank may have died."
-                              f"{stuck} {REBUILD}. Cause: {e}") from e
+class issuing:
+    """``with issuing(group, what, rank, where):`` around issuing a collective, which can fail at once (a peer's
+    socket closed): CollectiveError, and poison the group. where: this rank's position (``record_arrival`` text):
+    the peers recorded elsewhere are named. A class, not a @contextmanager generator: entered for every
+    transfer, at a quarter of the cost."""
+
+    __slots__ = ("group", "what", "rank", "where")
+
+    def __init__(self, group: Optional[dist.ProcessGroup], what: str, rank: int = 0, where: Optional[str] = None):
+        self.group, self.what, self.rank, self.where = group, what, rank, where
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, e, tb) -> bool:
+        if kind is None or not issubclass(kind, RuntimeError) or isinstance(e, CollectiveError):
+            return False
+        stuck = _peers_elsewhere(self.group, self.rank, self.where)
+        poison(self.group, f"issuing the {self.what} on EP rank {self.rank}: {e}")
+        raise CollectiveError(f"moe_comm: EP rank {self.rank}: issuing the {self.what} failed; a peer rank may have "
+                              f"died.{stuck} {REBUILD}. Cause: {e}") from e
 
 
 def _peers_elsewhere(group: Optional[dist.ProcessGroup], rank: int, where: Optional[str]) -> str:
@@ -322,12 +336,23 @@ def resolve_group(ep_group, *, dim: str = "ep", name: str = "ep_group",
                     f"got {type(ep_group).__name__}")
 
 
+# A group's size and this process's rank in it never change: asked once per group object (several times per call).
+_SIZE_RANK: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _size_rank(group: dist.ProcessGroup) -> Tuple[int, int]:
+    got = _SIZE_RANK.get(group)
+    if got is None:
+        got = _SIZE_RANK[group] = (dist.get_world_size(group), dist.get_rank(group))
+    return got
+
+
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+    return 1 if group is None else _size_rank(group)[0]
 
 
 def group_rank(group: Optional[dist.ProcessGroup]) -> int:
-    return 0 if group is None else dist.get_rank(group)
+    return 0 if group is None else _size_rank(group)[1]
 
 
 def _as_bytes(x_RH: torch.Tensor) -> torch.Tensor:

@@ -90,7 +90,7 @@ class CallControl:
             slots_WS = torch.cat([rearrange(layout.slot_counts_CWe, "c w e -> w (c e)"), rows_CW.t()], 1)
             dynamic = torch.stack([layout.num_invalid, nonfinite, rows_CW.sum()])
         else:
-            slots_WS = rearrange(layout.counts_CWe, "c w e -> w (c e)")
+            slots_WS = layout.counts_CWe.transpose(0, 1).reshape(self.world_size, -1)  # "c w e -> w (c e)"
             dynamic = torch.stack([layout.num_invalid, nonfinite, layout.counts_CWe.sum()])
         top_k = topk_idx_TK.shape[1] if self.sync_free else -1  # sync-free rows are sized by K: agreed
         pending = self.channel.begin(phase, self._header(phase, call, C * pieces, row_bytes, dtype_code(x_TH.dtype),

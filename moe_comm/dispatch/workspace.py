@@ -8,7 +8,6 @@ returned to the user and tensors saved for backward are always fresh allocations
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Dict, Tuple
 
 import torch
@@ -40,21 +39,35 @@ class Workspace:
             self._bufs[key] = buf
         return buf[:numel].view(num_rows, width)
 
-    @contextlib.contextmanager
-    def dropped_on_error(self):
-        """On any error inside the block, forget every buffer: transfers already issued may still read
-        or write them (their Work keeps them alive), so the next call must not reuse them."""
-        try:
-            yield
-        except BaseException:
-            self.clear()
-            raise
+    def dropped_on_error(self) -> "_DroppedOnError":
+        """``with workspace.dropped_on_error():`` on any error inside the block, forget every buffer: transfers
+        already issued may still read or write them (their Work keeps them alive), so the next call must not
+        reuse them."""
+        return _DroppedOnError(self)
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._bufs.values())
 
     def clear(self) -> None:
         self._bufs.clear()
+
+
+class _DroppedOnError:
+    """The context of ``Workspace.dropped_on_error`` (a class: entered several times per call, cheaper than a
+    @contextmanager generator)."""
+
+    __slots__ = ("workspace",)
+
+    def __init__(self, workspace: Workspace):
+        self.workspace = workspace
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, e, tb) -> bool:
+        if kind is not None:
+            self.workspace.clear()
+        return False
 
 
 _SHARED = Workspace()

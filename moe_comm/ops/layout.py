@@ -154,9 +154,11 @@ def make_layout(topk_idx_TK: torch.Tensor, num_experts: int, *, num_ranks: int =
     layout_fn = getattr(impl, "make_layout", None) or layout_reference
     dest_row_TK, src_slot_S, counts_CE, num_invalid = layout_fn(topk_idx_TK, num_experts, num_chunks)
     T, K = topk_idx_TK.shape
+    # per call, on the host path: a view and a C call ("c (w e) -> c w e"; slot // K) instead of einops / __floordiv__
     return Layout(num_tokens=T, top_k=K, num_experts=num_experts, num_ranks=num_ranks, num_chunks=num_chunks,
-                  dest_row_TK=dest_row_TK, src_slot_S=src_slot_S, token_S=src_slot_S // K if K else src_slot_S,
-                  counts_CWe=rearrange(counts_CE, "c (w e) -> c w e", w=num_ranks),  # expert g = w * e + local
+                  dest_row_TK=dest_row_TK, src_slot_S=src_slot_S,
+                  token_S=src_slot_S.div(K, rounding_mode="floor") if K else src_slot_S,
+                  counts_CWe=counts_CE.reshape(num_chunks, num_ranks, num_experts // num_ranks),  # expert g = w * e + local
                   num_invalid=num_invalid)
 
 

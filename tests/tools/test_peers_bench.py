@@ -98,6 +98,10 @@ def test_peers_bench_cross_checks_times_and_flags_a_peer_computing_another_funct
     assert same["protocol_ratio"] == pytest.approx((plain["overhead_s"] + shape["control_s"]) / same["overhead_s"])
     # a small call carries its phases' status in their last transfer: the backward's check-in is the one extra
     assert shape["control_exchanges"] == 1 and "1 x control exchange" in proc.stdout and ", +checks " in proc.stdout
+    # the main thread's CPU time per step, for moe_comm and the plain layer, in the JSON and the table
+    host = {n: layers[n]["work"]["host_cpu_s_per_step"] for n in ("moe_comm", "plain torch")}
+    assert all(0 < v < shape["layers"][n]["step_s"] * 20 for n, v in host.items()), host
+    assert f"moe_comm {host['moe_comm'] * 1e3:.2f} ms, plain {host['plain torch'] * 1e3:.2f} ms" in proc.stdout
 
 
 ABSENT = '''
