@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import itertools
 import os
 import queue
 import threading
@@ -108,19 +107,15 @@ class _ArrivalWriter:
     here, longer behind bulk data on a slow link) that would otherwise sit before every transfer. Only the
     newest record per key is written; a peer reads them after a timeout (seconds), long after they land.
     TCPStore serialises its client's operations with a lock, so the main thread may use the store meanwhile.
-    ``put`` is two C calls (a sequence number, a SimpleQueue put): no Python lock on the call's path."""
+    ``put`` is one SimpleQueue put (a C call): no Python lock on a transfer's path."""
 
     def __init__(self):
-        self.queue: "queue.SimpleQueue" = queue.SimpleQueue()  # (seq, store, key, where)
-        self.seq = itertools.count(1)  # next() is one C call: atomic under the GIL
-        self.last = 0  # the newest record's seq
-        self.written = 0  # every record up to this seq is written (or was replaced by a newer one)
+        self.queue: "queue.SimpleQueue" = queue.SimpleQueue()  # (store, key, where), or a drain's threading.Event
         self.thread: Optional[threading.Thread] = None
         self.start_lock = threading.Lock()
 
     def put(self, store, key: str, where: str) -> None:
-        self.last = seq = next(self.seq)
-        self.queue.put((seq, store, key, where))
+        self.queue.put((store, key, where))
         if self.thread is None:
             with self.start_lock:  # two threads' first records start one writer
                 if self.thread is None:
@@ -140,21 +135,26 @@ class _ArrivalWriter:
                     todo.append(q.get_nowait())
                 except queue.Empty:
                     break
-            newest = {key: (store, where) for _, store, key, where in todo}
-            for key, (store, where) in newest.items():
+            newest = {t[1]: t for t in todo if isinstance(t, tuple)}
+            for store, key, where in newest.values():
                 try:
                     store.set(key, where)
                 except Exception:  # noqa: BLE001 - the store may be gone (rank 0 died); a diagnosis, not a duty
                     pass
-            self.written = max(t[0] for t in todo)
+            for t in todo:
+                if isinstance(t, threading.Event):  # a drain: every record queued before it is written
+                    t.set()
 
     def drain(self) -> None:
-        """Wait (at most ARRIVAL_DRAIN_S) until no record is due: at interpreter exit a daemon thread caught inside
-        a store call aborts the process ("terminate called without an active exception"; with the 5 ms wait most
-        failure tests' ranks did, before this ran at exit)."""
-        deadline = time.monotonic() + ARRIVAL_DRAIN_S
-        while self.written < self.last and self.thread is not None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        """Wait (at most ARRIVAL_DRAIN_S) until every record put so far is written: at interpreter exit a daemon
+        thread caught inside a store call aborts the process ("terminate called without an active exception";
+        with the 5 ms wait most failure tests' ranks did, before this ran at exit). A marker goes through the
+        queue behind them (first in, first out); the writer sets it once the sets before it returned."""
+        if self.thread is None:
+            return
+        done = threading.Event()
+        self.queue.put(done)
+        done.wait(ARRIVAL_DRAIN_S)
 
     def reset_after_fork(self) -> None:
         self.__init__()
@@ -173,7 +173,9 @@ def record_arrival(group: Optional[dist.ProcessGroup], where: str) -> None:
         return
     got = _ARRIVAL_KEYS.get(group)
     if got is None:  # per group object (a rebuilt group is a new one): its store, name and this rank are fixed
-        got = _ARRIVAL_KEYS[group] = (_store(), f"moe_comm/arrival/{_group_key(group)}/{dist.get_rank()}")
+        store = _store()
+        got = _ARRIVAL_KEYS[group] = (store, None if store is None else
+                                      f"moe_comm/arrival/{_group_key(group)}/{dist.get_rank()}")
     store, key = got
     if store is not None:
         _ARRIVALS.put(store, key, where)
@@ -336,23 +338,18 @@ def resolve_group(ep_group, *, dim: str = "ep", name: str = "ep_group",
                     f"got {type(ep_group).__name__}")
 
 
-# A group's size and this process's rank in it never change: asked once per group object (several times per call).
-_SIZE_RANK: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _size_rank(group: dist.ProcessGroup) -> Tuple[int, int]:
-    got = _SIZE_RANK.get(group)
-    if got is None:
-        got = _SIZE_RANK[group] = (dist.get_world_size(group), dist.get_rank(group))
-    return got
-
-
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
-    return 1 if group is None else _size_rank(group)[0]
+    if group is None:
+        return 1
+    # the ProcessGroup's own method: one C call (dist.get_world_size: several Python calls; asked several times per
+    # call); anything else (NON_GROUP_MEMBER) as torch.distributed answers it
+    return group.size() if isinstance(group, dist.ProcessGroup) else dist.get_world_size(group)
 
 
 def group_rank(group: Optional[dist.ProcessGroup]) -> int:
-    return 0 if group is None else _size_rank(group)[1]
+    if group is None:
+        return 0
+    return group.rank() if isinstance(group, dist.ProcessGroup) else dist.get_rank(group)
 
 
 def _as_bytes(x_RH: torch.Tensor) -> torch.Tensor:

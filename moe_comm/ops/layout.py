@@ -158,7 +158,7 @@ def make_layout(topk_idx_TK: torch.Tensor, num_experts: int, *, num_ranks: int =
     return Layout(num_tokens=T, top_k=K, num_experts=num_experts, num_ranks=num_ranks, num_chunks=num_chunks,
                   dest_row_TK=dest_row_TK, src_slot_S=src_slot_S,
                   token_S=src_slot_S.div(K, rounding_mode="floor") if K else src_slot_S,
-                  counts_CWe=counts_CE.reshape(num_chunks, num_ranks, num_experts // num_ranks),  # expert g = w * e + local
+                  counts_CWe=counts_CE.reshape(num_chunks, num_ranks, num_experts // num_ranks),  # g = w * e + local
                   num_invalid=num_invalid)
 
 
