@@ -51,6 +51,9 @@ class Word(enum.IntEnum):
     STEP = 16       # the training step the caller set (``set_step``; -1: none set), the same on every rank
 
 
+assert list(Word) == list(range(HEADER_WORDS)), "header() lists the words in Word order"
+
+
 class Phase(enum.IntEnum):
     FORWARD = 1        # pipelined call: counts exchange
     FORWARD_END = 2    # pipelined call: every rank completed its forward (or says why not)
@@ -136,13 +139,9 @@ def header(phase: Phase, *, dispatcher: int, call: int, chunks: int, experts: in
            chunk: int = -1, top_k: int = -1) -> List[int]:
     """The host-known header words as [HEADER_WORDS] host ints (BAD_IDS, NONFINITE and ROWS are 0 here;
     device-computed counts are added on the device by the channel; STEP is ``current_step()``)."""
-    words = [0] * HEADER_WORDS
-    words[Word.MAGIC], words[Word.DISPATCHER], words[Word.CALL], words[Word.PHASE] = MAGIC, dispatcher, call, phase
-    words[Word.CHUNKS], words[Word.EXPERTS], words[Word.WORLD] = chunks, experts, world
-    words[Word.ROW_BYTES], words[Word.DTYPE], words[Word.CONFIG] = row_bytes, dtype, config
-    words[Word.FAILED], words[Word.CHUNK], words[Word.TOP_K] = int(failed), chunk, top_k
-    words[Word.STEP] = _step
-    return words
+    # in Word order (a list display: 0.2 us; 17 item assignments by Word: 1.6 us)
+    return [MAGIC, dispatcher, call, phase, chunks, experts, world, row_bytes, dtype, config, int(failed),
+            0, 0, 0, chunk, top_k, _step]  # BAD_IDS, NONFINITE, ROWS: 0
 
 
 def encode_message(text: Optional[str]) -> torch.Tensor:
