@@ -258,7 +258,10 @@ class Router(nn.Module):
         autocast is off inside (it would compute the matmul in its own dtype)."""
         acc = self.cfg.router_dtype or (torch.float64 if x_TH.dtype == torch.float64 else torch.float32)
         with _autocast_off(x_TH.device.type):
-            logits_TE = _RouterLogits.apply(x_TH, self.weight, acc)
+            if x_TH.dtype == acc and self.weight.dtype == acc:  # nothing to cast: autograd's linear, the same bits
+                logits_TE = F.linear(x_TH, self.weight)  # (see _RouterLogits) with its backward in C++
+            else:
+                logits_TE = _RouterLogits.apply(x_TH, self.weight, acc)
             return route(logits_TE, self.cfg, self.expert_bias, token_mask_T)
 
 

@@ -353,8 +353,11 @@ def group_rank(group: Optional[dist.ProcessGroup]) -> int:
 
 
 def _as_bytes(x_RH: torch.Tensor) -> torch.Tensor:
-    row_bytes = x_RH.shape[1:].numel() * x_RH.element_size()
-    return x_RH.contiguous().view(torch.uint8).reshape(x_RH.shape[0], row_bytes)
+    """[R, row bytes] uint8 view of the rows (contiguous first)."""
+    x_RH = x_RH.contiguous()
+    if x_RH.dim() == 2:  # the common case: the dtype view alone gives [R, H * element size]
+        return x_RH.view(torch.uint8)
+    return x_RH.view(torch.uint8).reshape(x_RH.shape[0], x_RH.shape[1:].numel() * x_RH.element_size())
 
 
 def _a2a_raw(x_RH: torch.Tensor, out_splits: List[int], in_splits: List[int], group,

@@ -212,7 +212,7 @@ class AllToAll(Transport):
                 status_WSB = status_WB.new_zeros(W, s * row_bytes // 8 + 1).view(torch.uint8)[:, :s * row_bytes]
                 status_WSB[:, :words * 8] = status_WB.view(torch.uint8)
                 status_WSB = status_WSB.reshape(W, s, row_bytes)
-            rows = _as_bytes(src_RH).split(back)
+            rows = _as_bytes(src_RH).split_with_sizes(back)  # the C method: Tensor.split's wrapper costs more
             send = torch.cat([t for w in range(W) for t in (rows[w], status_WSB[w])])  # [rows of w, s status rows]
             return pending, send, send.new_empty(sum(sent) + W * s, row_bytes)
 
@@ -221,7 +221,7 @@ class AllToAll(Transport):
         (pending, send, recv), _ = self.local(pack, "status rows")
 
         def unpack() -> None:
-            parts = recv.split([n for m in sent for n in (m, s)])
+            parts = recv.split_with_sizes([n for m in sent for n in (m, s)])
             torch.cat(parts[0::2], out=_as_bytes(out_NH))  # out_NH: rows of the contiguous output (a view)
             got = torch.stack(parts[1::2]).reshape(W, s * row_bytes)
             if not exact:
