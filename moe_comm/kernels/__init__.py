@@ -27,7 +27,7 @@ def _triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-_SELECTED = {}  # (backend, device type, TRITON_INTERPRET) -> module: every call's kernels, chosen once
+_SELECTED = {}  # (backend, device type, TRITON_INTERPRET for "triton") -> module: every call's kernels, chosen once
 
 
 def select_backend(backend: str, device: torch.device) -> ModuleType:
@@ -36,7 +36,8 @@ def select_backend(backend: str, device: torch.device) -> ModuleType:
     "auto": CUDA -> triton, CPU -> native (C++; one warning and torch if it cannot be built).
     "triton" on CPU tensors only works under TRITON_INTERPRET=1 (set before triton is imported).
     """
-    key = (backend, getattr(device, "type", device), _triton_interpreting())
+    # TRITON_INTERPRET changes only what "triton" picks (and reading the environment costs more than the rest)
+    key = (backend, getattr(device, "type", device), backend == "triton" and _triton_interpreting())
     module = _SELECTED.get(key)
     if module is None:
         module = _SELECTED[key] = _select(backend, torch.device(device))
