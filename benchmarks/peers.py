@@ -31,6 +31,11 @@ experts, float32; moe_comm with its defaults, C = 1), so all compute the same fu
   where a plain layer would stand with moe_comm's exchanges added and all of its other work at zero. An estimate, not
   a bound: inside a step the exchanges partly overlap other ranks' work (at W = 4 on 2 cores moe_comm once read below
   it), and their host-side reads are left out.
+- the protocol floor, measured (``peer_adapters/protocol_floor.py``, always run and cross-checked, no verdict): the
+  plain layer with moe_comm's protocol on the wire for a small eager call (the control exchange carrying the counts,
+  the status rows carried in each phase's last transfer, the backward's check-in, every header read and checked)
+  and nothing else; "+protocol" = its overhead / a peer's is the lowest ours/theirs a layer with moe_comm's
+  guarantees reaches here, and ours/its what moe_comm's other work (checks, monitor, schedule) costs on top.
 
     python benchmarks/peers.py                                   # W = 2 and 4, default shapes
     python benchmarks/peers.py --world-sizes 2 --shapes 1024x512x256x8x2 --json out.json
@@ -60,7 +65,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_comm  # noqa: E402
 from moe_comm.tools.bench import timed  # noqa: E402
 from moe_comm.tools.slow_link import json_worker_main, run_json_worker  # noqa: E402
-from peer_adapters import plain_torch  # noqa: E402
+from peer_adapters import plain_torch, protocol_floor  # noqa: E402
 
 # The adapters --peers tries by default, one per line; a "framework + moe_comm" adapter (WITH_MOE_COMM = True)
 # follows its framework's.
@@ -72,7 +77,7 @@ ADAPTERS = (
     "megatron_moe_comm",
 )
 GOAL = 0.5  # moe_comm's overhead <= 0.5 x each peer's
-BARE, RAW, PLAIN = "bare GEMMs", "4 x raw all-to-all", "plain torch"
+BARE, RAW, PLAIN, FLOOR = "bare GEMMs", "4 x raw all-to-all", "plain torch", protocol_floor.NAME
 CLOSING = "moe_comm, end exchanges"  # moe_comm without the carried status (Dispatcher.carry_max_bytes -1)
 CONTROL = "control exchange"  # what moe_comm's failure protocol adds to the plain layer's collectives per step
 HOST_STEPS = 30  # steps timed for the main thread's CPU time per step (work counts)
@@ -167,7 +172,8 @@ def _shape_main(rank, W, a, shape):
     # weights (seeded), the end-of-forward and end-of-backward exchanges of their own (what the carry saves)
     closing = moe_comm.MoELayer(cfg, seed=1)
     closing.dispatcher.carry_max_bytes = -1
-    layers, skipped = {"moe_comm": ref, CLOSING: closing, PLAIN: plain_torch.build(ref, dist.group.WORLD)}, {}
+    layers, skipped = {"moe_comm": ref, CLOSING: closing, PLAIN: plain_torch.build(ref, dist.group.WORLD),
+                       FLOOR: protocol_floor.build(ref, dist.group.WORLD)}, {}
     with_moe_comm = {CLOSING}  # moe_comm's own variant and "framework + moe_comm" layers: no verdict
     for name in a["peers"]:
         m = _adapter(name)
@@ -180,7 +186,7 @@ def _shape_main(rank, W, a, shape):
     g = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(T, H, generator=g)
     checks = {name: _cross_check(ref, layer, x) for name, layer in layers.items() if layer is not ref}
-    counts = {name: _work_counts(layers[name], x.clone().requires_grad_(True)) for name in ("moe_comm", PLAIN)}
+    counts = {name: _work_counts(layers[name], x.clone().requires_grad_(True)) for name in ("moe_comm", PLAIN, FLOOR)}
 
     # The bare expert GEMMs on this rank's received rows (the same rows every layer's experts get).
     with torch.no_grad():
@@ -236,7 +242,9 @@ def _shape_main(rank, W, a, shape):
             # the plain layer plus moe_comm's extra control exchanges timed alone (an estimate: in a step they
             # partly overlap other ranks' work)
             entry["protocol_ratio"] = (statistics.median(over[PLAIN]) + control_s) / statistics.median(over[n])
-            if n != PLAIN and n not in with_moe_comm:
+            # measured: the plain layer with moe_comm's protocol on the wire (protocol_floor), over this one's
+            entry["protocol_layer_ratio"] = statistics.median(over[FLOOR]) / statistics.median(over[n])
+            if n not in (PLAIN, FLOOR) and n not in with_moe_comm:
                 entry["pass"] = checks[n]["agrees"] and entry["ours_over_theirs"] <= GOAL
             entry["with_moe_comm"] = n in with_moe_comm
         out["layers"][n] = entry
@@ -280,9 +288,10 @@ def _print(results):
             t.add_row(str(s["world_size"]), sh, BARE, f"{s['bare_gemm_s'] * 1e3:.1f}", "", "", "", "")
             t.add_row("", "", RAW, f"{s['raw_a2a_s'] * 1e3:.1f}", "", "", "", "")
             t.add_row("", "", f"{s['control_exchanges']} x {CONTROL}", f"{s['control_s'] * 1e3:.1f}", "", "", "", "")
-            host = {n: s["layers"][n]["work"]["host_cpu_s_per_step"] * 1e3 for n in ("moe_comm", PLAIN)}
+            host = {n: s["layers"][n]["work"]["host_cpu_s_per_step"] * 1e3 for n in ("moe_comm", PLAIN, FLOOR)}
             t.add_row("", "", "main-thread CPU per step", "", "",
-                      f"moe_comm {host['moe_comm']:.2f} ms, plain {host[PLAIN]:.2f} ms", "", "")
+                      f"moe_comm {host['moe_comm']:.2f} ms, plain {host[PLAIN]:.2f}, +protocol {host[FLOOR]:.2f}",
+                      "", "")
             for n, why in s["skipped"].items():
                 t.add_row("", "", n, "-", "-", f"skipped: {why}", "", "")
             for n, e in s["layers"].items():
@@ -291,12 +300,14 @@ def _print(results):
                 if c:
                     verdict = ("MISMATCH" if not c["agrees"] else "" if "pass" not in e
                                else "ok" if e["pass"] else "MISS")
-                    plain = "" if n == PLAIN else f", plain {e['plain_ratio']:.2f}, +checks {e['protocol_ratio']:.2f}"
+                    plain = "" if n in (PLAIN, FLOOR) else (f", plain {e['plain_ratio']:.2f}, +checks "
+                                                            f"{e['protocol_ratio']:.2f}, +protocol "
+                                                            f"{e['protocol_layer_ratio']:.2f}")
                     ratio = " ".join(v for v in (f"{e['ours_over_theirs']:.2f}", verdict,
                                                  f"(floor {e['floor_ratio']:.2f}{plain})") if v)
                 t.add_row("", "", n, f"{e['step_s'] * 1e3:.1f}", f"{e['overhead_s'] * 1e3:.1f}", ratio,
                           f"{c['y_rel_diff']:.1e}" if c else "", f"{c['dx_rel_diff']:.1e}" if c else "")
-    Console(width=176).print(t)
+    Console(width=200).print(t)
 
 
 def main(argv=None):

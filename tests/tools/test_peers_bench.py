@@ -69,13 +69,15 @@ def test_peers_bench_cross_checks_times_and_flags_a_peer_computing_another_funct
     (run,) = res["results"]
     shape, top1 = run["shapes"]
     closing = "moe_comm, end exchanges"
-    assert set(top1["layers"]) == {"moe_comm", closing, "plain torch"} and top1["layers"]["moe_comm"]["step_s"] > 0
+    floor = "plain + moe_comm's protocol"
+    assert set(top1["layers"]) == {"moe_comm", closing, "plain torch", floor}
+    assert top1["layers"]["moe_comm"]["step_s"] > 0
     assert top1["skipped"] == {n: "ValueError: this adapter computes top-2 routing only" for n in ("same", "other")}
     assert shape["skipped"] == {}
     assert shape["shape"] == {"T": 64, "H": 32, "F": 48, "E": 4, "K": 2} and shape["world_size"] == 2
     assert shape["bare_gemm_s"] > 0 and shape["raw_a2a_s"] > 0 and shape["control_s"] > 0
     layers = shape["layers"]
-    assert set(layers) == {"moe_comm", closing, "plain torch", "same", "other"}
+    assert set(layers) == {"moe_comm", closing, "plain torch", floor, "same", "other"}
     # moe_comm's own variant closing each phase with an exchange: the same function, no verdict
     assert layers[closing]["check"]["y_rel_diff"] == 0 and "pass" not in layers[closing]
     for e in layers.values():
@@ -98,10 +100,19 @@ def test_peers_bench_cross_checks_times_and_flags_a_peer_computing_another_funct
     assert same["protocol_ratio"] == pytest.approx((plain["overhead_s"] + shape["control_s"]) / same["overhead_s"])
     # a small call carries its phases' status in their last transfer: the backward's check-in is the one extra
     assert shape["control_exchanges"] == 1 and "1 x control exchange" in proc.stdout and ", +checks " in proc.stdout
-    # the main thread's CPU time per step, for moe_comm and the plain layer, in the JSON and the table
-    host = {n: layers[n]["work"]["host_cpu_s_per_step"] for n in ("moe_comm", "plain torch")}
+    # the protocol floor: the plain layer with moe_comm's exchanges and status rows on the wire, measured; the same
+    # function, no verdict, one collective more than the plain layer (the check-in), as many as moe_comm
+    assert layers[floor]["check"]["agrees"] and "pass" not in layers[floor]
+    assert same["protocol_layer_ratio"] == pytest.approx(layers[floor]["overhead_s"] / same["overhead_s"])
+    assert ", +protocol " in proc.stdout
+    work = {n: layers[n]["work"] for n in ("moe_comm", "plain torch", floor)}
+    assert work[floor]["collectives_per_step"] == work["moe_comm"]["collectives_per_step"] \
+        == work["plain torch"]["collectives_per_step"] + 1, work
+    # the main thread's CPU time per step, for moe_comm, the plain layer and the floor, in the JSON and the table
+    host = {n: w["host_cpu_s_per_step"] for n, w in work.items()}
     assert all(0 < v < shape["layers"][n]["step_s"] * 20 for n, v in host.items()), host
-    assert f"moe_comm {host['moe_comm'] * 1e3:.2f} ms, plain {host['plain torch'] * 1e3:.2f} ms" in proc.stdout
+    assert (f"moe_comm {host['moe_comm'] * 1e3:.2f} ms, plain {host['plain torch'] * 1e3:.2f}, +protocol "
+            f"{host[floor] * 1e3:.2f}") in proc.stdout
 
 
 ABSENT = '''
