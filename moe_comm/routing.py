@@ -179,7 +179,8 @@ class _RouterLogits(torch.autograd.Function):
     ``F.linear(x.to(acc), w.to(acc))`` while x fits in one block (the same GEMMs in the same layouts, then
     the casts' backward); beyond, logits and x's gradient are computed row block by row block (rows are
     independent) and the weight's gradient is accumulated over the blocks in acc. Autocast is off in
-    backward as in forward."""
+    backward as in forward: also where nothing is cast, autograd's own linear would compute the gradients in
+    the autocast dtype of a ``backward()`` called inside ``torch.autocast`` (bf16: ~3e-3 relative error)."""
 
     @staticmethod
     def forward(ctx, x_TH, w_EH, acc):
@@ -258,10 +259,7 @@ class Router(nn.Module):
         autocast is off inside (it would compute the matmul in its own dtype)."""
         acc = self.cfg.router_dtype or (torch.float64 if x_TH.dtype == torch.float64 else torch.float32)
         with _autocast_off(x_TH.device.type):
-            if x_TH.dtype == acc and self.weight.dtype == acc:  # nothing to cast: autograd's linear, the same bits
-                logits_TE = F.linear(x_TH, self.weight)  # (see _RouterLogits) with its backward in C++
-            else:
-                logits_TE = _RouterLogits.apply(x_TH, self.weight, acc)
+            logits_TE = _RouterLogits.apply(x_TH, self.weight, acc)
             return route(logits_TE, self.cfg, self.expert_bias, token_mask_T)
 
 

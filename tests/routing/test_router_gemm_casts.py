@@ -109,3 +109,23 @@ def test_cuda_half_router_reads_x_as_it_is():
     assert logits.dtype == torch.float32
     assert not [s for s in mode.seen if s[1] == torch.float32 and s[2] >= x.numel()], mode.seen
     torch.testing.assert_close(logits, x.float() @ r.weight.float().T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fwd_autocast", [False, True])
+def test_router_gradients_ignore_autocast_around_backward(fwd_autocast):
+    """An fp32 router on fp32 x (nothing cast): its gradients are the same bits whether ``backward()`` runs inside
+    ``torch.autocast`` or not (autograd's own linear would compute them in bf16 there: ~3e-3 relative error)."""
+    cfg = MoEConfig(hidden_size=96, ffn_hidden_size=96, num_experts=8, top_k=2, aux_loss_coeff=1e-2)
+    x0 = torch.randn(64, 96, generator=torch.Generator().manual_seed(0))
+    grads = []
+    for bwd_autocast in (False, True):
+        torch.manual_seed(0)
+        router, x = Router(cfg), x0.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bwd_autocast):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=fwd_autocast):
+                out = router(x)
+                loss = out.topk_weight_TK.square().sum() + out.aux_loss + out.scores_TE.square().sum()
+            loss.backward()
+        grads.append((x.grad, router.weight.grad))
+    (gx0, gw0), (gx1, gw1) = grads
+    assert torch.equal(gx0, gx1) and torch.equal(gw0, gw1)
