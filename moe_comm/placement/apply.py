@@ -146,7 +146,8 @@ def move_slots(tensors: Sequence[torch.Tensor], src_p2l: Sequence[int], dst_p2l:
             for i in recv[s]:
                 rows[i] = ("recv", k)
                 k += 1
-    assert all(r is not None for r in rows), "every destination slot has a source"
+    if any(r is None for r in rows):  # the plan gives every slot a source; an error, not an assert (python -O)
+        raise RuntimeError("moe_comm placement: a destination slot has no source (internal error; please report)")
     out = []
     for ti, t in enumerate(tensors):
         new = t.new_empty((S_dst,) + tuple(t.shape[1:]))

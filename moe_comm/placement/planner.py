@@ -180,7 +180,8 @@ def _pack(load_E: np.ndarray, count_E: np.ndarray, num_ranks: int, slots: int) -
                     key = (max(load_W[a] + wy, load_W[b] - wy + w_item), b, y)
                     if best is None or key < best:
                         best = key
-            assert best is not None, "a swap partner always exists"
+            if best is None:  # cannot happen (see the module doc); an error, not an assert (python -O drops those)
+                raise RuntimeError("moe_comm placement planner: no swap partner (internal error; please report)")
             _, b, y = best
             held[b].remove(y), holds[b].discard(y)
             held[a].append(y), holds[a].add(y)
