@@ -35,14 +35,19 @@ class _Layer(nn.Module):
         self.router = nn.Parameter(ref.router.weight.detach().clone())
         self.experts = copy.deepcopy(ref.experts)
 
+    def route(self, x_TH):
+        """(renormalised top-K weights [T, K], expert ids [T, K], the slots in expert-major order [T*K],
+        slots per expert [E])."""
+        w_TK, idx_TK = torch.softmax(x_TH @ self.router.t(), dim=-1).topk(self.K, dim=-1)
+        w_TK = w_TK / w_TK.sum(-1, keepdim=True)
+        order_N = idx_TK.reshape(-1).argsort(stable=True)
+        return w_TK, idx_TK, order_N, torch.bincount(idx_TK.reshape(-1), minlength=self.E)
+
     def forward(self, x_TH):
         T, H = x_TH.shape
         E, K, W = self.E, self.K, self.W
         e = E // W
-        w_TK, idx_TK = torch.softmax(x_TH @ self.router.t(), dim=-1).topk(K, dim=-1)
-        w_TK = w_TK / w_TK.sum(-1, keepdim=True)
-        order_N = idx_TK.reshape(-1).argsort(stable=True)
-        counts_E = torch.bincount(idx_TK.reshape(-1), minlength=E)
+        w_TK, idx_TK, order_N, counts_E = self.route(x_TH)
         recv_E = torch.empty_like(counts_E)
         dist.all_to_all_single(recv_E, counts_E, group=self.group)
         send = counts_E.view(W, e).sum(1).tolist()  # host sync

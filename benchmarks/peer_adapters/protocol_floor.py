@@ -14,15 +14,13 @@ and everything the generic schedule does for C > 1, dedup, FP8 or the sync-free 
 """
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from moe_comm.comm.wire import HEADER_WORDS, MAGIC, MESSAGE_WORDS, Phase, Word
 from moe_comm.dispatch.plan import segments_of
+from peer_adapters import plain_torch
 
 NAME = "plain + moe_comm's protocol"
 INSTALL = "(nothing: PyTorch only)"
@@ -110,26 +108,22 @@ class _ToExperts(torch.autograd.Function):
         return _carrying(ctx.layer, grad_RH, send_W, recv_W, Phase.BACKWARD_END), None, None, None
 
 
-class _Layer(nn.Module):
+class _Layer(plain_torch._Layer):
+    """The plain layer's router and experts; its collectives replaced by the protocol's."""
+
     def __init__(self, ref, group):
-        super().__init__()
-        self.group, self.W = group, dist.get_world_size(group)
-        self.E, self.K = ref.cfg.num_experts, ref.cfg.top_k
+        super().__init__(ref, group)
         self.X = ref.dispatcher.channel.width  # moe_comm's control row: header, message, counts
         self.settings = ref.dispatcher.config_hash
         self.call = 0
-        self.router = nn.Parameter(ref.router.weight.detach().clone())
-        self.experts = copy.deepcopy(ref.experts)
 
     def forward(self, x_TH):
         T, H = x_TH.shape
         E, K, W = self.E, self.K, self.W
         e = E // W
         self.call += 1
-        w_TK, idx_TK = torch.softmax(x_TH @ self.router.t(), dim=-1).topk(K, dim=-1)
-        w_TK = w_TK / w_TK.sum(-1, keepdim=True)
-        order_N = idx_TK.reshape(-1).argsort(stable=True)
-        counts_We = torch.bincount(idx_TK.reshape(-1), minlength=E).view(W, e)
+        w_TK, idx_TK, order_N, counts_E = self.route(x_TH)
+        counts_We = counts_E.view(W, e)
         base = HEADER_WORDS + MESSAGE_WORDS
         send = torch.from_numpy(_header_rows(W, self.X, self.call, Phase.FORWARD, self.settings))
         send[:, base:base + e] = counts_We
