@@ -590,6 +590,7 @@ def run_on_cluster(cmd_for_node: Union[List[str], Callable[[int], List[str]]], n
         while any(p.poll() is None for p in procs):
             now_s = time.perf_counter()
             if deadline is not None and now_s > deadline:
+                _print_tails(files)  # what each node said before it stalled (captured output is deleted below)
                 raise subprocess.TimeoutExpired(argvs[0], timeout)
             if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
                 failed_at = now_s
@@ -630,6 +631,17 @@ def run_on_cluster(cmd_for_node: Union[List[str], Callable[[int], List[str]]], n
         raise RuntimeError("; ".join(errors))
     return ClusterResult(nodes=results, links=links, inter_rate_bits=rate_bits, seconds=time.perf_counter() - t0,
                          namespaces=list(made))
+
+
+def _print_tails(files, chars: int = 3000) -> None:
+    """The last ``chars`` of each node's captured stdout and stderr, to our stderr."""
+    for k, pair in enumerate(files):
+        for name, f in zip(("stdout", "stderr"), pair):
+            f.flush()
+            f.seek(0)
+            text = f.read()[-chars:]
+            if text:
+                print(f"moe_comm.tools.slow_link: node {k} {name} (last {chars} chars):\n{text}", file=sys.stderr)
 
 
 def cluster_available() -> Tuple[bool, str]:

@@ -146,18 +146,23 @@ def test_failing_node_returns_its_code_others_are_killed_and_all_is_deleted():
 
 
 @needs_cluster
-def test_timeout_kills_every_node_and_deletes_the_cluster(tmp_path):
+@pytest.mark.parametrize("capture", [False, True])
+def test_timeout_kills_every_node_and_deletes_the_cluster(tmp_path, capsys, capture):
     prefix = _prefix()
     pid_file = tmp_path / "pid"
     script = ("import os, sys, time; open(sys.argv[1] + os.environ['MOE_COMM_NODE_RANK'], 'w')"
-              ".write(str(os.getpid())); time.sleep(60)")
+              ".write(str(os.getpid())); print('node', os.environ['MOE_COMM_NODE_RANK'], 'waits', flush=True); "
+              "time.sleep(60)")
     with pytest.raises(subprocess.TimeoutExpired):
         run_on_cluster([sys.executable, "-c", script, str(pid_file)], nodes=2, torchrun=False, prefix=prefix,
-                       timeout=2.0)
+                       timeout=2.0, capture=capture)
     assert _gone(prefix, 2)
     for k in range(2):
         with pytest.raises(ProcessLookupError):
             os.kill(int((tmp_path / f"pid{k}").read_text()), 0)
+    if capture:  # what each node said before the timeout is printed (its captured output is deleted after)
+        err = capsys.readouterr().err
+        assert all(f"node {k} stdout" in err and f"node {k} waits" in err for k in range(2)), err
 
 
 @needs_cluster
