@@ -28,7 +28,16 @@ w = torch.rand(T, K, generator=g)
 d = moe_comm.Dispatcher(E, num_chunks=2, ranks_per_node=int(os.environ["LOCAL_WORLD_SIZE"]), timeout=4.0)
 d(x, idx, w, lambda t, n: t * 2.0)  # the link works
 dist.barrier()
+# Every rank past the barrier before the link goes down: gloo lets a rank leave a barrier while a peer still waits
+# for its last message, and a message across the downed link never comes (that rank then hung in the barrier).
+open(os.path.join(sys.argv[1], f"past{rank}"), "w").close()
+# a rank still short of its report 20 s on (the call raises within two levels' timeouts): every thread's stack to
+# stderr, which the test shows
+import faulthandler
+faulthandler.dump_traceback_later(20, exit=False)
 if os.environ["MOE_COMM_NODE_RANK"] == "1" and os.environ["LOCAL_RANK"] == "0":
+    while len([n for n in os.listdir(sys.argv[1]) if n.startswith("past")]) < W:
+        time.sleep(0.02)
     subprocess.run(["ip", "link", "set", "dev", os.environ["MOE_COMM_NODE_IFNAME"], "down"], check=True)
 time.sleep(0.5)
 t0 = time.perf_counter()
@@ -41,6 +50,7 @@ report = {"outcome": out, "seconds": time.perf_counter() - t0}
 with open(os.path.join(sys.argv[1], f"rank{rank}.tmp"), "w") as f:
     json.dump(report, f)
 os.replace(os.path.join(sys.argv[1], f"rank{rank}.tmp"), os.path.join(sys.argv[1], f"rank{rank}.json"))
+faulthandler.cancel_dump_traceback_later()
 # Every rank waits until every rank reported (the nodes share this folder): a rank that exits early ends its
 # node's torchrun agent, node 0's hosts the rendezvous store, and a slower rank elsewhere (two levels' timeouts)
 # would be torn down by its own agent before it reports.
