@@ -113,8 +113,10 @@ class _ArrivalWriter:
         self.queue: "queue.SimpleQueue" = queue.SimpleQueue()  # (store, key, where), or a drain's threading.Event
         self.thread: Optional[threading.Thread] = None
         self.start_lock = threading.Lock()
+        self.latest: Dict[str, str] = {}  # key -> the newest record put (its store entry may lag ARRIVAL_DELAY_S)
 
     def put(self, store, key: str, where: str) -> None:
+        self.latest[key] = where
         self.queue.put((store, key, where))
         if self.thread is None:
             with self.start_lock:  # two threads' first records start one writer
@@ -245,7 +247,10 @@ def _peers_elsewhere(group: Optional[dist.ProcessGroup], rank: int, where: Optio
     if seen is None:
         return (f" The group's store did not answer within {ARRIVALS_READ_S:g} s (the link to it, or the rank "
                 "holding it, is down): where the peers are is unknown.")
-    here = seen.get(rank, where)  # this rank's latest record (transfers of later chunks may be issued)
+    # this rank's latest record (transfers of later chunks may be issued), as put: its store entry may not be
+    # written yet (a peer that died fails this rank's transfer at once, within the writer's delay)
+    got = _ARRIVAL_KEYS.get(group) if group is not None else None
+    here = seen[rank] = (got is not None and _ARRIVALS.latest.get(got[1])) or seen.get(rank, where)
     behind = {r: w for r, w in seen.items() if w != here}
     missing = [r for r in range(group_size(group)) if r not in seen]
     if not (behind or missing):
