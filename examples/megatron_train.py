@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -162,7 +163,8 @@ def run(rank: int, W: int, args) -> dict:
     worst = max(abs(a - b) / abs(b) for a, b in zip(our_losses, ref_losses))
 
     # checkpoints: one file per rank (each holds its own experts), written by one run, loaded by the other
-    folder = args.checkpoint_dir or tempfile.mkdtemp(prefix="moe_comm_megatron_")  # own folder: no clash
+    own = args.checkpoint_dir is None
+    folder = tempfile.mkdtemp(prefix="moe_comm_megatron_") if own else args.checkpoint_dir  # own folder: no clash
     paths = {k: os.path.join(folder, f"megatron_train_{k}_rank{rank}.pt") for k in ("alltoall", "moe_comm")}
     torch.save(ref.state_dict(), paths["alltoall"])
     torch.save(ours.state_dict(), paths["moe_comm"])
@@ -187,6 +189,10 @@ def run(rank: int, W: int, args) -> dict:
     everyone = [None] * W
     failures(everyone, mine)
     result["checkpoint_cross_load_rel_worst_rank"] = max(everyone)
+    result["rank"] = rank
+    if own:
+        shutil.rmtree(folder, ignore_errors=True)
+        result["checkpoint_files"] = []  # removed with their temp folder
     return result
 
 
@@ -201,15 +207,15 @@ def main(argv=None) -> int:
                    help="where the per-rank checkpoints go (default: a new temp folder per rank)")
     args = p.parse_args(argv)
     r = run_ranks(run, args.world_size, args)
-    if r is None:  # not rank 0 under torchrun
-        return 0
+    ok = (r["max_rel_loss_diff"] <= 1e-5 and r["same_state_dict_keys"]
+          and r["checkpoint_cross_load_rel_worst_rank"] <= 1e-5 and r["moe_comm"][-1] < r["moe_comm"][0])
+    if r["rank"] != 0:  # under torchrun every rank returns its own result; rank 0 reports
+        return 0 if ok else 1
     print(f"EP = {r['world_size']}, {len(r['alltoall'])} steps")
     for i, (a, b) in enumerate(zip(r["alltoall"], r["moe_comm"])):
         print(f"  step {i}: loss alltoall {a:.6f}  moe_comm {b:.6f}  rel diff {abs(a - b) / abs(a):.2e}")
     print(f"max rel loss diff {r['max_rel_loss_diff']:.2e}; state-dict keys equal: {r['same_state_dict_keys']}; "
           f"checkpoint cross-load rel diff (worst rank) {r['checkpoint_cross_load_rel_worst_rank']:.2e}")
-    ok = (r["max_rel_loss_diff"] <= 1e-5 and r["same_state_dict_keys"]
-          and r["checkpoint_cross_load_rel_worst_rank"] <= 1e-5 and r["moe_comm"][-1] < r["moe_comm"][0])
     print("OK" if ok else "FAILED")
     return 0 if ok else 1
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -215,6 +216,9 @@ def main(argv=None) -> int:
                           "moe_comm_dispatchers": ran, "steps": losses, "max_loss_rel_diff": worst,
                           "reloaded_loss": after, "reload_rel_diff": reload_rel, "tolerance": TOLERANCE,
                           "ok": ok}))
+    dist.barrier()  # every rank is done with the checkpoints
+    if rank == 0 and not a.ckpt_dir:
+        shutil.rmtree(ckpt[0], ignore_errors=True)  # the temp folder made above
     dist.destroy_process_group()
     return 0 if ok else 1
 

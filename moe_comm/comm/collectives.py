@@ -282,9 +282,12 @@ def wait_work(work, phase: str, chunk: int = -1, *, timeout: Optional[float] = N
         at = phase if chunk < 0 else f"{phase} of chunk {chunk}"
         stuck = _peers_elsewhere(group, rank, where)
         # where peers are elsewhere or never arrived, the likely cause is a call some ranks did not make
-        hint = (" Every rank of the group must make the same calls: an MoELayer is collective, so every rank of its "
-                "EP group must call it (forward, and backward when training), also in eval mode and under "
-                "torch.no_grad(); a layer called on some ranks only waits here." if "Peers not at" in stuck else "")
+        hint = (" Every rank of the group must make the same calls: an MoE layer that dispatches through moe_comm "
+                "(MoELayer, a torchtitan or Megatron-Core MoE after apply_moe_comm / use_moe_comm) is collective, so "
+                "every rank of its EP group must call it (forward, and backward when training), also in eval mode "
+                "and under torch.no_grad(); a layer called on some ranks only waits here, as do its peers when one "
+                "rank raised before the layer's call (in the framework's own code, e.g. its router)."
+                if "Peers not at" in stuck else "")
         poison(group, f"the {at} {what} ({direction}) on EP rank {rank}: {e}")
         raise CollectiveError(f"moe_comm: EP rank {rank}: the {at} {what} ({direction}) failed or timed out; a "
                               f"peer rank may have died or stalled.{stuck}{hint} {REBUILD}. Cause: {e}") from e

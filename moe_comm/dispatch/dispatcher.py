@@ -153,37 +153,11 @@ class Dispatcher(CallControl):
         self.rank = group_rank(self.group)
         local_error = None
         try:  # a rank whose arguments are rejected still joins the agreement below: every rank raises
-            check_int("Dispatcher: num_experts", num_experts, 1)
-            if num_experts % self.world_size:
-                raise ValueError(f"Dispatcher: num_experts ({num_experts}) must be divisible by the EP world "
-                                 f"size, got world size {self.world_size}")
-            if num_chunks != "auto":
-                check_int("Dispatcher: num_chunks", num_chunks, 1)
-            if max_chunks is None:
-                max_chunks = max(MAX_CHUNKS, num_chunks if isinstance(num_chunks, int) else 1)
-            check_int("Dispatcher: max_chunks", max_chunks, 1, high=1024)
-            if num_chunks != "auto" and num_chunks > max_chunks:
-                raise ValueError(f"Dispatcher: num_chunks ({num_chunks}) must be <= max_chunks ({max_chunks})")
-            check_choice("Dispatcher: backend", backend, BACKENDS)
-            if timeout is not None:
-                check_float("Dispatcher: timeout", timeout, 0.0, low_open=True)
-            if direct_min_bytes is not None:
-                check_int("Dispatcher: direct_min_bytes", direct_min_bytes, 0)
-            if end_check is not None:
-                check_choice("Dispatcher: end_check", end_check, ("eager", "deferred"))
-            if max_tokens_per_rank is not None:
-                check_int("Dispatcher: max_tokens_per_rank", max_tokens_per_rank, 1)
-                if num_chunks != 1:
-                    raise ValueError(f"Dispatcher: max_tokens_per_rank (the sync-free mode) needs num_chunks=1, got "
-                                     f"num_chunks={num_chunks!r}")
-            check_bool("Dispatcher: dedup", dedup)
-            if dedup and max_tokens_per_rank is not None:
-                raise ValueError("Dispatcher: dedup=True is not available in the sync-free mode (max_tokens_per_rank)")
-            if dispatch_dtype is not None and dispatch_dtype not in DISPATCH_DTYPES:
-                raise ValueError(f"Dispatcher: dispatch_dtype must be None or one of {DISPATCH_DTYPES}, got "
-                                 f"{dispatch_dtype!r}")
-            check_choice("Dispatcher: dispatch_scales", dispatch_scales, ("fp32", "ue8m0"))
-            check_int("Dispatcher: summed_words", summed_words, 0, high=1 << 16)
+            max_chunks = check_options(num_experts, self.world_size, num_chunks, backend=backend, timeout=timeout,
+                                       direct_min_bytes=direct_min_bytes, max_chunks=max_chunks, end_check=end_check,
+                                       max_tokens_per_rank=max_tokens_per_rank, dedup=dedup,
+                                       dispatch_dtype=dispatch_dtype, dispatch_scales=dispatch_scales,
+                                       summed_words=summed_words)
             nodes_L = node_size(ranks_per_node, self.group, self.world_size)
             if nodes_L is not None and (max_tokens_per_rank is not None or num_chunks == "auto"
                                         or end_check == "deferred"):
@@ -571,6 +545,49 @@ class Dispatcher(CallControl):
         from moe_comm.dispatch.sync_free import call_sync_free
 
         return call_sync_free(self, x_TH, topk_idx_TK, topk_weight_TK, expert_fn, side_fn, local_error, summed_X)
+
+
+def check_options(num_experts, world_size: int, num_chunks=1, *, backend: str = "auto",
+                  timeout: Optional[float] = None, direct_min_bytes: Optional[int] = None,
+                  max_chunks: Optional[int] = None, end_check: Optional[str] = None,
+                  max_tokens_per_rank: Optional[int] = None, dedup: bool = False,
+                  dispatch_dtype: Optional[torch.dtype] = None, dispatch_scales: str = "fp32",
+                  summed_words: int = 0) -> int:
+    """This rank's checks of a Dispatcher's arguments (a ValueError / TypeError naming the argument); returns
+    max_chunks (its default resolved). ``Dispatcher`` runs them before its agreement; the framework plug-ins
+    before theirs, so a bad value on one rank is named as that, not as a difference between ranks."""
+    check_int("Dispatcher: num_experts", num_experts, 1)
+    if num_experts % world_size:
+        raise ValueError(f"Dispatcher: num_experts ({num_experts}) must be divisible by the EP world "
+                         f"size, got world size {world_size}")
+    if num_chunks != "auto":
+        check_int("Dispatcher: num_chunks", num_chunks, 1)
+    if max_chunks is None:
+        max_chunks = max(MAX_CHUNKS, num_chunks if isinstance(num_chunks, int) else 1)
+    check_int("Dispatcher: max_chunks", max_chunks, 1, high=1024)
+    if num_chunks != "auto" and num_chunks > max_chunks:
+        raise ValueError(f"Dispatcher: num_chunks ({num_chunks}) must be <= max_chunks ({max_chunks})")
+    check_choice("Dispatcher: backend", backend, BACKENDS)
+    if timeout is not None:
+        check_float("Dispatcher: timeout", timeout, 0.0, low_open=True)
+    if direct_min_bytes is not None:
+        check_int("Dispatcher: direct_min_bytes", direct_min_bytes, 0)
+    if end_check is not None:
+        check_choice("Dispatcher: end_check", end_check, ("eager", "deferred"))
+    if max_tokens_per_rank is not None:
+        check_int("Dispatcher: max_tokens_per_rank", max_tokens_per_rank, 1)
+        if num_chunks != 1:
+            raise ValueError(f"Dispatcher: max_tokens_per_rank (the sync-free mode) needs num_chunks=1, got "
+                             f"num_chunks={num_chunks!r}")
+    check_bool("Dispatcher: dedup", dedup)
+    if dedup and max_tokens_per_rank is not None:
+        raise ValueError("Dispatcher: dedup=True is not available in the sync-free mode (max_tokens_per_rank)")
+    if dispatch_dtype is not None and dispatch_dtype not in DISPATCH_DTYPES:
+        raise ValueError(f"Dispatcher: dispatch_dtype must be None or one of {DISPATCH_DTYPES}, got "
+                         f"{dispatch_dtype!r}")
+    check_choice("Dispatcher: dispatch_scales", dispatch_scales, ("fp32", "ue8m0"))
+    check_int("Dispatcher: summed_words", summed_words, 0, high=1 << 16)
+    return max_chunks
 
 
 def _exact_float32(topk_weight_TK):

@@ -35,7 +35,7 @@ from torch import nn
 from moe_comm._recompute import in_backward
 from moe_comm.comm.agree import agree
 from moe_comm.comm.collectives import group_size, resolve_group
-from moe_comm.dispatch.dispatcher import Dispatcher
+from moe_comm.dispatch.dispatcher import Dispatcher, check_options
 from moe_comm.modules.layer_load import make_monitor
 from moe_comm.monitor.load import LoadMonitor
 
@@ -88,16 +88,18 @@ class MoeCommRoutedExperts(RoutedExperts):
         Collective over the EP group. A failure on any rank (this module's checks, the experts raising)
         raises on every rank (moe_comm's failure protocol), naming the rank."""
         d = self.moe_comm_dispatcher
-        B, L, D = x_BLD.shape
-        K = topk_expert_ids_BLK.shape[-1]
-        x_TD = x_BLD.reshape(B * L, D)
         if d.sync_free:  # agreed when the Dispatcher was built: every rank raises here alike
             raise ValueError("MoeCommRoutedExperts: moe_comm_dispatcher is in the sync-free mode "
                              "(max_tokens_per_rank), which apply_moe_comm does not build; use its Dispatcher")
         error = _local_experts_error(self.inner_experts, d.num_local_experts, d.num_experts)
+        if error is None:
+            error = _inputs_error(x_BLD, topk_scores_BLK, topk_expert_ids_BLK)
         if error is not None:
             d.fail(error)  # joins the call's control exchange: every rank raises, naming this one
             raise error  # not reached: fail() returns only in the sync-free mode, refused above
+        B, L, D = x_BLD.shape
+        K = topk_expert_ids_BLK.shape[-1]
+        x_TD = x_BLD.reshape(B * L, D)
         recompute = in_backward()  # activation checkpointing's recompute: the load was counted in the first pass
         monitor = self.moe_comm_monitor if self.training and not recompute else None
         try:
@@ -131,6 +133,27 @@ class MoeCommRoutedExperts(RoutedExperts):
         if theirs is not None and theirs != ours:
             raise ValueError(f"apply_moe_comm: ep_mesh holds ranks {ours} but torchtitan's parallel_dims EP mesh "
                              f"holds {theirs}; pass ep_mesh=parallel_dims.get_mesh('ep')")
+
+
+def _inputs_error(x_BLD, topk_scores_BLK, topk_expert_ids_BLK) -> Optional[ValueError]:
+    """The shapes the forward reshapes by (checked before the call's control exchange, so that a wrong one on
+    one rank raises on every rank instead of leaving its peers in the exchange); the Dispatcher checks the rest
+    (dtypes, devices, expert ids)."""
+    for name, t in (("x_BLD", x_BLD), ("topk_scores_BLK", topk_scores_BLK),
+                    ("topk_expert_ids_BLK", topk_expert_ids_BLK)):
+        if not isinstance(t, torch.Tensor):
+            return ValueError(f"MoeCommRoutedExperts: {name} must be a tensor, got {type(t).__name__}")
+    if x_BLD.dim() != 3:
+        return ValueError(f"MoeCommRoutedExperts: x_BLD must be [B, L, D] (3-D, as torchtitan's MoE passes it), "
+                          f"got shape {tuple(x_BLD.shape)}")
+    want = tuple(x_BLD.shape[:2])
+    if topk_expert_ids_BLK.dim() != 3 or tuple(topk_expert_ids_BLK.shape[:2]) != want:
+        return ValueError(f"MoeCommRoutedExperts: topk_expert_ids_BLK must be [B, L, K] with B, L = {want} "
+                          f"(x_BLD's), got shape {tuple(topk_expert_ids_BLK.shape)}")
+    if topk_scores_BLK.shape != topk_expert_ids_BLK.shape:
+        return ValueError(f"MoeCommRoutedExperts: topk_scores_BLK must have topk_expert_ids_BLK's shape "
+                          f"{tuple(topk_expert_ids_BLK.shape)}, got {tuple(topk_scores_BLK.shape)}")
+    return None
 
 
 def _local_shape(p: torch.Tensor) -> Tuple[int, ...]:
@@ -250,6 +273,8 @@ def apply_moe_comm(model: nn.Module, ep_mesh=None, **options) -> int:
             if E % W:
                 raise ValueError(f"{who}: {where}: num_experts ({E}) must be divisible by the EP world size ({W})")
             make_monitor(monitor, E, W)  # checks the options before any construction
+            # a bad value is named as that on its rank (its peers: RemoteError), not as a difference between ranks
+            check_options(E, W, **{k: v for k, v in dispatcher_opts.items() if k != "strict"})
     except (TypeError, ValueError) as err:
         local_error = err
     # Collective: every rank learns of a rank's error and raises; every rank builds as many Dispatchers and

@@ -81,7 +81,8 @@ def _entry(rank: int, world_size: int, port: int, result_dir: str, threads: int,
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args, threads_per_rank: int | None = None,
               timeout: float = 300.0, cache_memory: bool = True) -> Any:
-    """Call ``fn(rank, world_size, *args)`` on every rank; return rank 0's result.
+    """Call ``fn(rank, world_size, *args)`` on every rank; return rank 0's result (under torchrun: this
+    rank's own result, on every rank).
 
     Under torchrun the launched group is used (NCCL when CUDA is available, else gloo) and this
     process is one rank. Otherwise ``world_size`` gloo ranks are spawned on this machine, sharing

@@ -165,6 +165,8 @@ def _rank_failures(rank, world_size):
     out["ep_off"] = _outcome(lambda: mc_tt.apply_moe_comm(moe, None))
     out["monitor_one_rank"] = _outcome(lambda: mc_tt.apply_moe_comm(moe, dist.group.WORLD, monitor=rank == 1))
     out["unchanged_monitor"] = type(moe.routed_experts).__name__
+    out["bad_value_one_rank"] = _outcome(lambda: mc_tt.apply_moe_comm(moe, dist.group.WORLD,
+                                                                      num_chunks=0 if rank == 1 else 2))
     mc_tt.apply_moe_comm(moe, dist.group.WORLD)
     no_ep = types.SimpleNamespace(get_optional_mesh=lambda dims, **kw: None)  # parallel_dims at ep = 1
     out["parallelize_ep_off"] = _outcome(lambda: moe.routed_experts.parallelize(no_ep))
@@ -179,6 +181,10 @@ def _rank_failures(rank, world_size):
     out["experts"] = _outcome(lambda: _step(moe, x, gy))
     moe.routed_experts.inner_experts.__dict__.pop("forward", None)
     out["after"] = _outcome(lambda: _step(moe, x, gy))  # the group stays usable
+    # a 2-D x on rank 1 reaches routed_experts (torchtitan's router takes it): rejected in the call's exchange
+    flat = rank == 1
+    out["x_2d"] = _outcome(lambda: _step(moe, x.flatten(0, 1) if flat else x, gy.flatten(0, 1) if flat else gy))
+    out["after_x_2d"] = _outcome(lambda: _step(moe, x, gy))
 
     moe = ttm.build_moe("qwen3", D=D, world_size=1, rank=0)  # all E experts on every rank: not sharded
     mc_tt.apply_moe_comm(moe, dist.group.WORLD)
@@ -200,9 +206,15 @@ def test_failures_raise_on_every_rank(ranks):
         assert r["unchanged_monitor"] == "RoutedExperts"
         kind, msg = r["parallelize_ep_off"]
         assert kind == "ValueError" and "holds ranks [0, 1] but torchtitan's EP is off" in msg, r["parallelize_ep_off"]
+        kind, msg = r["bad_value_one_rank"]  # the value named as wrong, not as a difference between ranks
+        assert kind == ("ValueError" if rank == 1 else "RemoteError") and "num_chunks must be >= 1" in msg, msg
         kind, msg = r["experts"]
         assert "expert kernel failed" in msg and "rank 1" in msg, r["experts"]
         assert r["after"] is None
+        kind, msg = r["x_2d"]
+        assert kind == ("ValueError" if rank == 1 else "RemoteError"), r["x_2d"]
+        assert "x_BLD must be [B, L, D]" in msg and "got shape (12, 16)" in msg, msg
+        assert r["after_x_2d"] is None
         kind, msg = r["unsharded"]
         assert kind in ("ValueError", "RemoteError", "PeerFailed") and "holds 8 experts" in msg, r["unsharded"]
 
