@@ -46,13 +46,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe_comm._checks import check_float
 from moe_comm.comm.agree import agree
 from moe_comm.comm.collectives import check_usable, group_rank, group_size, issuing, wait_work
 from moe_comm.modules.experts import GroupedExperts
 from moe_comm.modules.layer import MoELayer
 
-__all__ = ["moe_layers", "expert_parameters", "wrap_ddp", "fully_shard_moe", "ExpertGradReducer",
-           "check_expert_replicas"]
+__all__ = ["moe_layers", "moe_buffers", "expert_parameters", "wrap_ddp", "recover_ddp", "fully_shard_moe",
+           "ExpertGradReducer", "check_expert_replicas", "clip_grad_norm_"]
 
 _WEIGHTS = ("w1", "w3", "w2")
 _CHECKSUM_BLOCK = 1 << 24  # elements per block of the replica checksum: bounds its int64 scratch (128 MiB)
@@ -61,6 +62,11 @@ _CHECKSUM_BLOCK = 1 << 24  # elements per block of the replica checksum: bounds 
 def moe_layers(model: nn.Module) -> List[Tuple[str, MoELayer]]:
     """(name, layer) of every MoELayer in ``model``, in module order."""
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)]
+
+
+def moe_buffers(model: nn.Module) -> List[str]:
+    """Names (as ``model.named_buffers()`` gives them) of the MoELayers' buffers: the router's expert_bias."""
+    return [f"{name}.{b}" if name else b for name, layer in moe_layers(model) for b, _ in layer.named_buffers()]
 
 
 def expert_parameters(model: nn.Module) -> List[Tuple[str, nn.Parameter]]:
@@ -161,12 +167,13 @@ class ExpertGradReducer:
         sync_enabled: called at each layer's forward: False skips the reduction of that backward (gradient
             accumulation without communication). Default: always.
         sync_group: the wrapper's process group (all N ranks), or None. When given, every forward of ``model``
-            first checks that every rank of it has the same gradient-sync setting (``sync_enabled()``, and
-            whether grad is enabled): one ``all_gather`` of one int per rank on a private gloo group over its
-            ranks (host memory: no device sync), waited with the layers' ``timeout``. A rank inside
-            ``ddp.no_sync()`` while its peers synchronise would otherwise leave them waiting in the gradient
-            reduction (DDP fails with an internal assert); instead every rank raises ValueError naming the ranks
-            of each setting, before any gradient moves. ``wrap_ddp`` and ``fully_shard_moe`` pass it.
+            checks that every rank of it has the same gradient-sync setting (``sync_enabled()``, and whether
+            grad is enabled): one ``all_gather`` of one int per rank on a private gloo group over its ranks (host
+            memory: no device sync), issued as the forward starts and waited, with the layers' ``timeout``, as it
+            ends. A rank inside ``ddp.no_sync()`` while its peers synchronise would otherwise leave them waiting
+            in the gradient reduction (DDP fails with an internal assert); instead every rank raises ValueError
+            naming the ranks of each setting at the end of that forward, before any gradient moves. ``wrap_ddp``
+            and ``fully_shard_moe`` pass it.
     Per layer and synchronised backward: one async all_reduce per expert weight over the dp_group (none
     when DP = 1), issued when the layer's backward is done, waited and divided by N in an autograd
     end-of-backward callback. gloo has no 16-bit reductions: bf16/fp16 gradients travel as fp32 copies
@@ -192,25 +199,44 @@ class ExpertGradReducer:
             # Collective over sync_group's ranks only (use_local_synchronization): the wrapper's group may be
             # a subgroup. gloo whatever the wrapper's backend: the check reads one int per rank on the host.
             self._sync_check = dist.new_group(self._sync_ranks, backend="gloo", use_local_synchronization=True)
-            self._handles.append(model.register_forward_pre_hook(self._check_sync_setting))
+            self._handles.append(model.register_forward_pre_hook(self._issue_sync_check))
+            self._handles.append(model.register_forward_hook(self._read_sync_check))
+        self._sync_work = None  # (work, every rank's mode) of the check issued by this forward, read at its end
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
 
-    def _check_sync_setting(self, model: nn.Module, args: tuple) -> None:
-        """Forward pre-hook of the wrapped model: every rank of the wrapper runs this forward with the same
-        gradient-sync setting, or every rank raises ValueError naming who differs (see ``sync_group``)."""
+    _SYNC_PHASE = "gradient-sync setting check of the data-parallel wrapper"
+
+    def _issue_sync_check(self, model: nn.Module, args: tuple) -> None:
+        """Forward pre-hook of the wrapped model: issue this forward's check (every rank has the same
+        gradient-sync setting, see ``sync_group``), not waited here. A blocking check would deadlock against
+        the layers' exchanges: a rank that raised mid-step and went on would wait in it while its peers wait
+        in the previous step's exchange for that rank. Issued at every forward's start, the checks of all
+        ranks pair in order whatever the layers' exchanges do; the layers' exchanges name such a rank."""
         group, me = self._sync_check, dist.get_rank(self._sync_check)
         check_usable(group, me)
+        if self._sync_work is not None:  # the last forward raised before its end: every rank issued that check
+            work, _ = self._sync_work
+            self._sync_work = None
+            wait_work(work, self._SYNC_PHASE, timeout=self.timeout, rank=me, what="all_gather", group=group)
         mode = 0 if not torch.is_grad_enabled() else (1 if self.sync_enabled() else 2)
         mine = torch.tensor([mode], dtype=torch.int64, device="cpu")
         every = [torch.empty_like(mine) for _ in self._sync_ranks]
-        phase = "gradient-sync setting check of the data-parallel wrapper"
-        with issuing(group, phase, me):
-            work = dist.all_gather(every, mine, group=group, async_op=True)
-        wait_work(work, phase, timeout=self.timeout, rank=me, what="all_gather", group=group)
+        with issuing(group, self._SYNC_PHASE, me):
+            self._sync_work = (dist.all_gather(every, mine, group=group, async_op=True), every)
+
+    def _read_sync_check(self, model: nn.Module, args: tuple, output) -> None:
+        """Forward hook of the wrapped model: every rank of the wrapper ran this forward with the same
+        gradient-sync setting, or every rank raises ValueError naming who differs, before its backward (where
+        the gradients would be reduced on some ranks only)."""
+        if self._sync_work is None:
+            return
+        (work, every), self._sync_work = self._sync_work, None
+        group, me = self._sync_check, dist.get_rank(self._sync_check)
+        wait_work(work, self._SYNC_PHASE, timeout=self.timeout, rank=me, what="all_gather", group=group)
         modes = torch.cat(every).tolist()  # host sync: none, host tensors of the private gloo group
         if len(set(modes)) == 1:
             return
@@ -218,11 +244,11 @@ class ExpertGradReducer:
                 2: "gradient NOT synchronised (inside ddp.no_sync() / after set_requires_gradient_sync(False))"}
         by_mode = "; ".join(f"{text[m]} on ranks {[self._sync_ranks[i] for i, x in enumerate(modes) if x == m]}"
                             for m in sorted(set(modes)))
-        raise ValueError(f"moe_comm.parallel: the data-parallel wrapper's ranks run this forward with different "
+        raise ValueError(f"moe_comm.parallel: the data-parallel wrapper's ranks ran this forward with different "
                          f"gradient-sync settings: {by_mode}. Every rank must accumulate (ddp.no_sync() / "
                          f"model.set_requires_gradient_sync(False)) or synchronise together, and run its forwards "
-                         f"with grad enabled or disabled together; nothing was communicated, the next forward "
-                         f"with equal settings works")
+                         f"with grad enabled or disabled together; every rank raised here, at the end of the "
+                         f"forward, before any gradient moved: the next forward with equal settings works")
 
     def _pre_forward(self, layer: MoELayer, args: tuple, kwargs: dict):
         if torch._C._current_graph_task_id() == -1 and self._pending:
@@ -298,13 +324,33 @@ def wrap_ddp(model: nn.Module, *, process_group: Optional[dist.ProcessGroup] = N
     from torch.nn.parallel import DistributedDataParallel
 
     _check_grid(model, process_group, "wrap_ddp")
-    ignored = [name for name, _ in expert_parameters(model)]
+    # The experts are reduced by the ExpertGradReducer. The layers' buffers (the router's expert_bias) are equal on
+    # every rank by construction (each rank applies the bias step from the load summed over the group): DDP's
+    # broadcast of them at every forward would be a collective outside moe_comm's protocol, which a rank that
+    # raised mid-step and went on would enter while its peers wait for it in a layer's exchange (a hang).
+    ignored = [name for name, _ in expert_parameters(model)] + moe_buffers(model)
     known = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, sorted(known | set(ignored)))
     ddp = DistributedDataParallel(model, process_group=process_group, **ddp_kwargs)
     ddp._moe_expert_reducer = ExpertGradReducer(model, dist.get_world_size(ddp.process_group),
                                                 lambda: ddp.require_backward_grad_sync, sync_group=ddp.process_group)
     return ddp
+
+
+def recover_ddp(ddp) -> None:
+    """Make a ``wrap_ddp`` module usable again after a training step that raised on every rank in its backward
+    (moe_comm's failure protocol: a layer's backward failed on one rank, ``PeerFailed`` / ``ProtocolError`` on the
+    others). Call it on every rank before the next forward. DDP's reducer was left mid-step and would refuse the
+    next forward ("Expected to have finished reduction in the prior iteration"): this resets it (torch's
+    ``Reducer._reset_state``, as DDP's own ``_update_process_group`` does) and drops the expert-gradient reducer's
+    unfinished reductions. The failed step's partial gradients stay in ``.grad``: zero them
+    (``optimizer.zero_grad()``) before the next backward. Not for DDP's own errors (unused parameters): the step
+    they refuse did not fail."""
+    experts = getattr(ddp, "_moe_expert_reducer", None)
+    if experts is None or not hasattr(ddp, "reducer"):
+        raise TypeError(f"recover_ddp: ddp must be the module wrap_ddp returned, got {type(ddp).__name__}")
+    experts._pending, experts._queued_for = [], None
+    ddp.reducer._reset_state()
 
 
 def _fsdp_syncs(model: nn.Module) -> bool:
@@ -364,6 +410,53 @@ def _checksum(t: torch.Tensor) -> torch.Tensor:
         out[0] += w.sum()
         out[1] += (w * pos).sum()
     return out
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Collective over the layers' EP groups: ``torch.nn.utils.clip_grad_norm_`` (2-norm) for a model holding
+    MoELayers, after its backward (``wrap_ddp`` / ``fully_shard_moe``: the gradients are reduced by then).
+
+    torch's own clip computes the norm of the gradients this rank holds: the replicated parameters' (equal on
+    every rank) plus this rank's experts', which differ per EP rank, so every rank scales its replicated
+    gradients by another factor and the replicas drift apart, silently. Here the norm is the whole model's:
+    the replicated gradients counted once, every expert's once (this rank's experts summed over its layers'
+    EP group by one all_reduce; its DP replicas hold the same gradient). Every rank gets the same norm and
+    scales by the same factor. Returns the total norm before clipping (a 0-dim float64 tensor, equal on
+    every rank). A physical replica of an expert (``apply_placement``) counts as an expert of its own.
+    """
+    check_float("clip_grad_norm_: max_norm", max_norm, 0.0)
+    experts = {id(p) for _, p in expert_parameters(model)}
+    layers = [layer for _, layer in moe_layers(model)]
+    params = [p for p in model.parameters() if p.grad is not None]
+    device = params[0].grad.device if params else torch.device("cpu")
+    if len({id(layer.ep_group) for layer in layers}) > 1:
+        raise ValueError("clip_grad_norm_: the model's MoELayers use different EP groups; one EP group is supported")
+    sq = {k: torch.zeros((), dtype=torch.float64, device=device) for k in ("replicated", "experts")}
+    for p in params:
+        g = p.grad.detach()
+        n2 = torch.linalg.vector_norm(g, dtype=torch.float64).square()
+        if hasattr(n2, "full_tensor"):  # a DTensor gradient (FSDP2): its norm over the shards
+            n2 = n2.full_tensor()
+        key = "experts" if id(p) in experts else "replicated"
+        sq[key] = sq[key] + n2.to(device)
+    if layers:  # every rank of the EP group joins, also one without expert gradients
+        group = layers[0].ep_group
+        if group_size(group) > 1:
+            me, phase = group_rank(group), "expert gradient norm over the EP group (clip_grad_norm_)"
+            check_usable(group, me)
+            with issuing(group, phase, me):
+                work = dist.all_reduce(sq["experts"], group=group, async_op=True)
+            wait_work(work, phase, timeout=_timeout(model), rank=me, what="all_reduce", group=group)
+    total = torch.sqrt(sq["replicated"] + sq["experts"])
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    factor = None
+    for p in params:
+        if hasattr(p.grad, "full_tensor"):  # a DTensor gradient takes a number
+            factor = float(scale) if factor is None else factor  # host sync: FSDP2 gradients only
+            p.grad.detach().mul_(factor)
+        else:
+            p.grad.detach().mul_(scale.to(p.grad.dtype))
+    return total
 
 
 def check_expert_replicas(model: nn.Module, group: Optional[dist.ProcessGroup] = None) -> int:

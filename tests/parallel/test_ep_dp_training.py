@@ -9,6 +9,7 @@ Load statistics (monitor, aux-loss-free bias) must count the global batch, ident
 """
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -219,3 +220,29 @@ def test_global_load_adds_no_host_sync(ranks):
     for report in ranks(4).run(_rank_host_reads):
         for off, on in report:
             assert on == off and len(on) == 1 and "the phase's one read" in on[0], (on, off)
+
+
+def _rank_clip(rank, world_size, ep, dp, max_norm):
+    model = TinyMoENet(make_cfg(), seed=SEED, **_layer_groups(ep, dp))
+    ddp = parallel.wrap_ddp(model)
+    rank_loss(ddp, *batch(rank)).backward()
+    total = parallel.clip_grad_norm_(ddp, max_norm)
+    grads = local_grads(ddp)
+    ddp._moe_expert_reducer.remove()
+    return float(total), grads
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("world_size,ep,dp", [(2, 2, 1), (4, 2, 2)])
+def test_clip_grad_norm_is_the_whole_models_on_every_rank(ranks, world_size, ep, dp):
+    """The norm of every gradient of the one-process model (each expert once), and every rank's gradients
+    scaled by the same factor: torch's own clip would see this rank's experts only, and scale the replicated
+    gradients differently on every rank."""
+    ref = reference_grads(make_cfg(), SEED, world_size)
+    want = math.sqrt(sum(float(g.double().square().sum()) for g in ref.values()))
+    max_norm = want / 4
+    res = ranks(world_size).run(_rank_clip, ep, dp, max_norm)
+    for total, _ in res:
+        assert total == pytest.approx(want, rel=1e-6), (total, want)
+    scale = max_norm / (want + 1e-6)
+    compare_to_reference([g for _, g in res], {k: v * scale for k, v in ref.items()}, ep)
