@@ -490,7 +490,9 @@ class Channel:
                 f"moe_comm: EP rank {rank}: the EP ranks are not in the same call: "
                 + "; ".join(f"ranks {rs} in {pos}" for pos, rs in at.items())
                 + f".{why} Every rank must run the same layers in the same order, forward and backward (a rank that "
-                "skipped a backward or a layer, or raised alone, causes this). Every rank raised; the next call works.")
+                "skipped a backward or a layer, or raised alone, causes this). Every rank raised; the next call works "
+                "when every rank makes it (a rank whose loop went on to its next step stays a step apart: with "
+                "moe_comm.set_step every call raises until the ranks skip a step together or none).")
         text = disagreement("the training step (moe_comm.set_step)", [row[Word.STEP] for row in rows], step_text)
         if text:
             raise ProtocolError(
