@@ -349,6 +349,10 @@ def recover_ddp(ddp) -> None:
     experts = getattr(ddp, "_moe_expert_reducer", None)
     if experts is None or not hasattr(ddp, "reducer"):
         raise TypeError(f"recover_ddp: ddp must be the module wrap_ddp returned, got {type(ddp).__name__}")
+    dp = [name for name, layer in moe_layers(ddp) if group_size(layer.dp_group) > 1]
+    if dp:  # the failing EP group never issued its expert reductions over DP: its peers' are left open there
+        raise ValueError(f"recover_ddp: supported with DP = 1 only; {dp} reduce their experts over a data-parallel "
+                         "group, whose reductions the failed step left unpaired: rebuild the process group")
     experts._pending, experts._queued_for = [], None
     ddp.reducer._reset_state()
 
@@ -424,7 +428,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     scales by the same factor. Returns the total norm before clipping (a 0-dim float64 tensor, equal on
     every rank). A physical replica of an expert (``apply_placement``) counts as an expert of its own.
     """
-    check_float("clip_grad_norm_: max_norm", max_norm, 0.0)
+    if max_norm != float("inf"):  # inf: measure the norm, scale by 1
+        check_float("clip_grad_norm_: max_norm", max_norm, 0.0)
     experts = {id(p) for _, p in expert_parameters(model)}
     layers = [layer for _, layer in moe_layers(model)]
     params = [p for p in model.parameters() if p.grad is not None]
